@@ -1,0 +1,13 @@
+"""hvd_zoadam: 0/1 Adam (Lu et al., arXiv 2202.06009) as a drop-in Horovod DistributedOptimizer.
+
+Public names: :func:`DistributedOptimizer`, :func:`compressed_allreduce`,
+:func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`.
+"""
+from .layout import padded_numel
+from .optimizer import DistributedOptimizer, ZeroOneAdamOptimizer
+from .protocol import NonFiniteError, compressed_allreduce
+from .schedule import Schedule, StepKind
+
+__version__ = "0.1.0"
+__all__ = ["DistributedOptimizer", "ZeroOneAdamOptimizer", "compressed_allreduce", "padded_numel",
+           "Schedule", "StepKind", "NonFiniteError", "__version__"]

@@ -1,0 +1,94 @@
+"""The math of the four step kinds (spec §2) over flat float32 tensors of one bucket.
+
+No collectives here: the caller communicates and passes the results in. The op
+order of :func:`variance_step` follows ``torch.optim.Adam``'s single-tensor path
+(``lerp_``, ``mul_().addcmul_()``, denom, ``addcdiv_``), so the all-VARIANCE
+oracle of spec §2 holds to float rounding.
+
+Shapes: every tensor argument is float32[n] (one bucket). ``lr``, ``weight_decay``
+and the betas are Python floats; ``step`` is t and ``exp_avg_sq_steps`` is k, the
+number of VARIANCE steps so far (bias correction of v).
+
+Bias correction after the freeze: m̂ = m / (1 - β1^t) keeps its correction in
+every step. At a SYNC step the rebuilt momentum is stored as
+m = (1 - β1^t)·w/Λ, so that m̂ = w/Λ exactly, the lr-weighted average m̂ of the
+window (spec §2 SYNC step 6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Per-group hyperparameters of one step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool       # AdamW-style decay (True) or L2 folded into the gradient (False)
+    bias_correction: bool
+    step: int             # t
+    exp_avg_sq_steps: int  # k
+
+    @property
+    def bias_correction1(self) -> float:
+        return 1 - self.beta1 ** self.step if self.bias_correction else 1.0
+
+    @property
+    def bias_correction2(self) -> float:
+        return 1 - self.beta2 ** self.exp_avg_sq_steps if self.bias_correction else 1.0
+
+
+def adam_denom(exp_avg_sq: torch.Tensor, h: Hyper) -> torch.Tensor:
+    """s = sqrt(v̂) + eps, float32[n] (a new tensor)."""
+    return (exp_avg_sq.sqrt() / (h.bias_correction2 ** 0.5)).add_(h.eps)
+
+
+def _l2(grad: torch.Tensor, param: torch.Tensor, h: Hyper) -> torch.Tensor:
+    if h.weight_decay != 0 and not h.decoupled:
+        return grad.add(param, alpha=h.weight_decay)
+    return grad
+
+
+def _decay(param: torch.Tensor, h: Hyper) -> None:
+    if h.weight_decay != 0 and h.decoupled:
+        param.mul_(1 - h.lr * h.weight_decay)
+
+
+def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper) -> None:
+    """VARIANCE (spec §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s."""
+    _decay(param, h)
+    grad = _l2(grad_avg, param, h)
+    exp_avg.lerp_(grad, 1 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h), value=-h.lr / h.bias_correction1)
+
+
+def momentum_step(param, grad, exp_avg, denom, h: Hyper) -> None:
+    """COMPRESSED (with ĝ = C(g)) and LOCAL (with the local g): m ← β1·m + (1−β1)·g; x ← x − γ·m̂/s.
+
+    v is not touched. ``denom`` is :func:`adam_denom` of the frozen or current v.
+    """
+    _decay(param, h)
+    grad = _l2(grad, param, h)
+    exp_avg.lerp_(grad, 1 - h.beta1)
+    param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
+
+
+def sync_prepare(param, anchor, denom, decay_product: float, out) -> None:
+    """SYNC steps 2–3: replay the window's decay on the anchor, then u = (x_a − x)·s into ``out``."""
+    if decay_product != 1.0:
+        anchor.mul_(decay_product)
+    torch.sub(anchor, param, out=out).mul_(denom)
+
+
+def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper) -> None:
+    """SYNC steps 5–7: x ← x_a − w/s; m ← (1−β1^t)·w/Λ (so m̂ = w/Λ); x_a ← x."""
+    torch.sub(anchor, w / denom, out=param)
+    torch.mul(w, h.bias_correction1 / lr_sum, out=exp_avg)
+    anchor.copy_(param)

@@ -1,0 +1,60 @@
+"""Padding and bucket layout: pure integer arithmetic (spec §3, §7 #7)."""
+from __future__ import annotations
+
+import operator
+
+
+def _as_int(value, name: str, minimum: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Length of a buffer of ``numel`` elements padded for a ``world_size``-way 1-bit exchange.
+
+    The result N is the smallest multiple of ``8 * world_size`` that is >= ``numel``,
+    so the P chunks are equal and each is a whole number of bytes of sign bits.
+    ``worker_error`` has N elements and ``server_error`` has N // world_size.
+    ``padded_numel(0, P) == 0``.
+
+    Raises:
+        TypeError: if an argument is not an int.
+        ValueError: if ``numel < 0`` or ``world_size < 1``.
+    """
+    numel = _as_int(numel, "numel", 0)
+    world_size = _as_int(world_size, "world_size", 1)
+    unit = 8 * world_size
+    return -(-numel // unit) * unit
+
+
+def segment_offsets(numels) -> list[int]:
+    """Offsets ``[0, n0, n0+n1, ...]`` of consecutive segments (tensors) in a bucket."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + int(n))
+    return offsets
+
+
+def make_buckets(numels, cap_numel: int) -> list[list[int]]:
+    """Split indices of ``numels`` (in order) into runs of at most ``cap_numel`` elements.
+
+    A tensor larger than the cap gets a bucket of its own. Zero-element tensors are
+    left out: they take part in no collective (spec §5).
+    """
+    buckets, current, size = [], [], 0
+    for i, n in enumerate(numels):
+        if n == 0:
+            continue
+        if current and size + n > cap_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets

@@ -1,0 +1,700 @@
+"""The imperative shell: a Horovod-style DistributedOptimizer running 0/1 Adam.
+
+The class holds state; the math lives in :mod:`.kinds`, the schedule in
+:mod:`.schedule`, the exchange in :mod:`.protocol`.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import math
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kinds
+from .layout import make_buckets
+from .protocol import Exchange
+from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind
+from .transport import TRANSPORTS, HorovodTransport, Transport
+
+STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
+_KIND_NAMES = [k.value for k in StepKind]
+_instance_ids = itertools.count()
+_registered = weakref.WeakKeyDictionary()  # param -> weakref to the optimizer that owns it
+
+
+def make_transport(transport, process_set=None) -> Transport:
+    """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
+
+    Raises:
+        ValueError: unknown name, or Horovod not initialised, or this rank outside the set.
+    """
+    if isinstance(transport, Transport):
+        return transport
+    if transport not in TRANSPORTS:
+        if transport == "mpi":
+            raise ValueError("transport='mpi' (mpi4py) is not available in this release of hvd_zoadam; "
+                             "use transport='auto' or 'horovod'")
+        raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
+    import horovod.torch as hvd
+    if not hvd.is_initialized():
+        raise ValueError("Horovod has not been initialized; call hvd.init() before building "
+                         "hvd_zoadam.DistributedOptimizer or calling compressed_allreduce")
+    process_set = hvd.global_process_set if process_set is None else process_set
+    if not process_set.included():
+        raise ValueError(f"this rank ({hvd.rank()}) is not in the process_set {process_set}; build the "
+                         "optimizer only on the ranks of the process set it trains with")
+    return HorovodTransport(process_set)
+
+
+@dataclass
+class _Bucket:
+    """One fused exchange unit: consecutive trainable params of one param group and device."""
+
+    group_index: int
+    params: list
+    names: list
+    exchange: Exchange
+    exp_avg: torch.Tensor       # float32[n]
+    exp_avg_sq: torch.Tensor    # float32[n]
+    anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
+    views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
+
+    @property
+    def numel(self) -> int:
+        return self.exchange.numel
+
+
+def _check_group(group: dict, index: int) -> None:
+    """Validate one param group's Adam options (ValueError/TypeError naming the option)."""
+    where = f"param_groups[{index}]"
+    for opt, bad, fix in (("amsgrad", True, "set amsgrad=False"),
+                          ("maximize", True, "negate the loss instead"),
+                          ("capturable", True, "set capturable=False"),
+                          ("differentiable", True, "set differentiable=False"),
+                          ("fused", True, "leave fused=None; hvd_zoadam runs its own fused math")):
+        if group.get(opt, False) == bad:
+            raise ValueError(f"{where}: {opt}={bad} is not supported by 0/1 Adam; {fix}")
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(f"{where}: lr must be a Python float, not a Tensor")
+    if not lr >= 0:
+        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
+    beta1, beta2 = group["betas"]
+    for name, b in (("betas[0]", beta1), ("betas[1]", beta2)):
+        if isinstance(b, torch.Tensor) or not 0.0 <= b < 1.0:
+            raise ValueError(f"{where}: {name} must be a float in [0, 1), got {b}")
+    if not group["eps"] >= 0:
+        raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}")
+    if not group["weight_decay"] >= 0:
+        raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
+
+
+class ZeroOneAdamOptimizer(torch.optim.Optimizer):
+    """0/1 Adam over Horovod (Lu et al., arXiv 2202.06009). Build it with :func:`DistributedOptimizer`.
+
+    It shares ``param_groups`` (lr, betas, eps, weight_decay) with the wrapped
+    ``torch.optim.Adam``/``AdamW``; they are read at every step, so LR schedulers and
+    manual changes take effect at once.
+
+    **Communication per step kind** (spec §2): VARIANCE averages g in full precision;
+    COMPRESSED sends C(g); LOCAL sends nothing; SYNC sends C(accumulated update).
+
+    **synchronize()** performs the gradient exchange of the coming step and writes its
+    result into ``p.grad``: the full-precision average in VARIANCE steps, the 1-bit
+    compressed average ĝ = C(g) in COMPRESSED steps. In LOCAL and SYNC steps it
+    leaves the local gradient in place (the SYNC exchange is of the update and runs
+    inside ``step()``). So ``synchronize(); clip_grad_norm_(...); with
+    skip_synchronize(): step()`` clips the quantity the step will use.
+
+    **State.** Per trainable parameter ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``
+    and ``anchor`` (float32 views of flat per-bucket buffers), so ``state_dict()``,
+    ``torch.save`` and ``hvd.broadcast_optimizer_state`` work as with Adam. All state
+    is created at construction: no collective runs there (elastic forbids it), and
+    ``broadcast_optimizer_state`` never needs its dummy zero-gradient ``step()``.
+    The step counters live in ``param_groups[0]["zoadam"]`` (``step``,
+    ``exp_avg_sq_steps``, ``freeze_lr``) and each group holds the window's
+    ``lr_sum`` (Λ) and ``decay_product``; they are identical on all ranks and travel
+    with ``state_dict()`` and ``broadcast_optimizer_state``. The error buffers are
+    per rank and are *not* in ``state_dict()``: a load keeps this rank's buffers.
+
+    **Memory** (bytes, n = trainable elements, P = world size, B = buckets):
+    ``4·(3n + padded_numel + padded_numel/P)`` for exp_avg, exp_avg_sq, anchor,
+    worker_error, server_error, i.e. about ``(4 + 1/P)·n`` floats with less than
+    ``8P`` padding elements per bucket, plus a reusable scratch of three float32
+    buffers the size of the largest bucket (see :meth:`memory_bytes`).
+    """
+
+    def __init__(self, optimizer, named_parameters, *, schedule: Schedule, transport: Transport,
+                 compression, backward_passes_per_step: int, gradient_predivide_factor: float,
+                 sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int):
+        self._ready = False
+        super().__init__(optimizer.param_groups, dict(optimizer.defaults))
+        self.schedule = schedule
+        self.transport = transport
+        self.world_size = transport.world_size
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.bias_correction = bias_correction
+        self.bucket_cap_numel = bucket_cap_numel
+        self._uid = next(_instance_ids)
+        self._names = self._name_parameters(named_parameters)
+        self._buckets: list[_Bucket] = []
+        self._scratch = {}
+        self._hook_handles = []
+        self._passes = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._pending = None          # (step, kind, skip) prepared by synchronize()
+        self._checked_layout = False
+        self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
+        self._stats_extra = {"skipped_steps": 0, "adam_equivalent_bytes": 0}
+        self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
+        for index, group in enumerate(self.param_groups):
+            _check_group(group, index)
+            self._build_group(index)
+        if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
+                                         if p.requires_grad):
+            raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
+        self._ready = True
+
+    # -- construction ----------------------------------------------------------------------
+    def _name_parameters(self, named_parameters) -> dict:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is None:
+            return {p: f"noname.{i}.{j}" for i, g in enumerate(self.param_groups)
+                    for j, p in enumerate(g["params"])}
+        named_parameters = list(named_parameters)
+        if any(not isinstance(item, tuple) for item in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        seen, dups = set(), set()
+        for name, _ in named_parameters:
+            (dups if name in seen else seen).add(name)
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                             + ", ".join(sorted(dups)))
+        names = {p: name for name, p in named_parameters}
+        missing = [id(p) for p in params if p not in names]
+        if missing:
+            raise ValueError("named_parameters was specified, but one or more model parameters were "
+                             "not named. Python object ids: " + ", ".join(map(str, missing)))
+        return names
+
+    def _build_group(self, index: int) -> None:
+        group = self.param_groups[index]
+        group.setdefault("lr_sum", 0.0)
+        group.setdefault("decay_product", 1.0)
+        trainable = [p for p in group["params"] if p.requires_grad]
+        for p in trainable:
+            owner = _registered.get(p)
+            if owner is not None and owner() is not None and owner() is not self:
+                raise ValueError(f"parameter {self._names.get(p, id(p))!r} is already optimized by another "
+                                 "hvd_zoadam optimizer; give each parameter to one optimizer only")
+            if p.is_sparse:
+                raise TypeError(f"parameter {self._names.get(p)!r} is sparse; 0/1 Adam needs dense parameters")
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {self._names.get(p)!r} has dtype {p.dtype}; 0/1 Adam needs "
+                                "floating-point parameters")
+            if p.device.type != "cpu":
+                raise NotImplementedError(
+                    f"parameter {self._names.get(p)!r} is on {p.device}: this release of hvd_zoadam runs on "
+                    "CPU tensors only (the CUDA kernels come in a later release)")
+        by_device = {}
+        for p in trainable:
+            by_device.setdefault(p.device, []).append(p)
+        for params in by_device.values():
+            for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
+                self._add_bucket(index, [params[i] for i in idx])
+        for p in trainable:
+            _registered[p] = weakref.ref(self)
+            if p not in self._passes:
+                self._passes[p] = 0
+                if hasattr(p, "register_post_accumulate_grad_hook"):
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _add_bucket(self, group_index: int, params: list) -> None:
+        numels = [p.numel() for p in params]
+        name = f"zoadam.{self._uid}.b{len(self._buckets)}"
+        exchange = Exchange(numels, self.transport, name)
+        n = exchange.numel
+        bucket = _Bucket(group_index, params, [self._names[p] for p in params], exchange,
+                         torch.zeros(n), torch.zeros(n), torch.zeros(n))
+        for key in ("exp_avg", "exp_avg_sq", "anchor"):
+            flat = getattr(bucket, key)
+            bucket.views[key] = [v.view_as(p) for v, p in zip(flat.split(numels), params)]
+            for p, v in zip(params, bucket.views[key]):
+                self.state[p][key] = v
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
+        self._buckets.append(bucket)
+        for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
+            if self._scratch.get(key, torch.empty(0)).numel() < size:
+                self._scratch[key] = torch.zeros(size)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (torch semantics). Its params get new, zeroed buffers and unique names."""
+        super().add_param_group(param_group)
+        if getattr(self, "_ready", False):
+            index = len(self.param_groups) - 1
+            _check_group(self.param_groups[index], index)
+            for j, p in enumerate(self.param_groups[index]["params"]):
+                self._names.setdefault(p, f"noname.{index}.{j}")
+            self._build_group(index)
+            self._checked_layout = False
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if self._passes[p] >= self.backward_passes_per_step:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally.")
+            self._passes[p] += 1
+        return hook
+
+    # -- per-step helpers --------------------------------------------------------------------
+    @property
+    def _counters(self) -> dict:
+        return self.param_groups[0][STATE_KEY]
+
+    def _hyper(self, group: dict, step: int, exp_avg_sq_steps: int) -> kinds.Hyper:
+        beta1, beta2 = group["betas"]
+        return kinds.Hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"],
+                           decoupled=bool(group.get("decoupled_weight_decay", False)),
+                           bias_correction=self.bias_correction, step=step,
+                           exp_avg_sq_steps=max(exp_avg_sq_steps, 1))
+
+    def _next_kind(self) -> tuple[int, StepKind]:
+        c = self._counters
+        step = c["step"] + 1
+        lr = float(self.param_groups[0]["lr"])
+        return step, self.schedule.kind(step, lr=lr, freeze_lr=c["freeze_lr"])
+
+    def _grads_into(self, bucket: _Bucket, out: torch.Tensor) -> None:
+        """out[:n] <- this rank's gradients of the bucket as float32 (None counts as 0)."""
+        grads = []
+        for p, name in zip(bucket.params, bucket.names):
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
+                if not self.sparse_as_dense:
+                    raise ValueError(f"parameter {name!r} got a sparse gradient; pass sparse_as_dense=True "
+                                     "to hvd_zoadam.DistributedOptimizer (0/1 Adam exchanges dense tensors)")
+                g = g.to_dense()
+            grads.append(g.reshape(-1).float())
+        torch.cat(grads, out=out[:bucket.numel])
+
+    @staticmethod
+    def _scatter(flat: torch.Tensor, targets: list) -> None:
+        torch._foreach_copy_([t.detach() for t in targets],
+                             [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in targets]), targets)])
+
+    def _write_grads(self, bucket: _Bucket, flat: torch.Tensor) -> None:
+        for p in bucket.params:
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = torch.zeros_like(p)
+        self._scatter(flat[:bucket.numel], [p.grad for p in bucket.params])
+
+    def _check_layout(self) -> None:
+        """Spec §5: compare settings and parameter layout across ranks; raise on every rank on a mismatch."""
+        self._checked_layout = True
+        if self.world_size == 1:
+            return
+        mine = self._digest_items()
+        everyone = self.transport.allgather_object(mine, f"zoadam.{self._uid}.layout")
+        for rank, theirs in enumerate(everyone):
+            if theirs == mine:
+                continue
+            keys = sorted(set(mine) | set(theirs))
+            diffs = [f"{k}: this rank ({self.transport.rank}) has {mine.get(k, '<missing>')!r}, "
+                     f"rank {rank} has {theirs.get(k, '<missing>')!r}" for k in keys if mine.get(k) != theirs.get(k)]
+            raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "
+                             "the optimizer alike. Differences: " + "; ".join(diffs[:10]))
+
+    def _digest_items(self) -> dict:
+        items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
+        items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
+                     backward_passes_per_step=self.backward_passes_per_step,
+                     compression=getattr(self.compression, "__name__", repr(self.compression)))
+        for i, b in enumerate(self._buckets):
+            layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(b.names, b.params)]
+            items[f"bucket{i}"] = hashlib.sha1(repr((b.group_index, layout)).encode()).hexdigest()[:12] \
+                if len(layout) > 64 else layout
+        items["buckets"] = len(self._buckets)
+        return items
+
+    # -- Horovod's contract --------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Run the gradient exchange of the coming step (see the class docstring). Idempotent per step."""
+        if self._pending is not None:
+            return
+        step, kind = self._next_kind()
+        if not self._checked_layout:
+            self._check_layout()
+        skip = False
+        if kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self.world_size > 1:
+            self.transport.counter.kind = kind.value
+            skip = not (self._average_grads() if kind is StepKind.VARIANCE else self._compress_grads())
+        self._pending = (step, kind, skip)
+        self._synchronized = True
+
+    def _average_grads(self) -> bool:
+        g, ok = self._scratch["g"], True
+        for i, b in enumerate(self._buckets):
+            self._grads_into(b, g)
+            buf = g[:b.numel]
+            f = self.gradient_predivide_factor
+            if self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor":
+                half = buf.to(torch.float16)
+                self._allreduce(half, f"{b.exchange.name}.avg", f)
+                buf.copy_(half)
+            else:
+                self._allreduce(buf, f"{b.exchange.name}.avg", f)
+            ok = ok and bool(torch.isfinite(buf).all())
+            self._write_grads(b, g)
+        return ok
+
+    def _allreduce(self, buf, name, predivide):
+        if predivide != 1.0:
+            buf.div_(predivide)
+        self.transport.allreduce_average_(buf, name)
+        if predivide != 1.0:
+            buf.mul_(predivide)
+
+    def _exchange_all(self, fill) -> bool:
+        """C(.) of every bucket; ``fill(bucket, padded_buf)`` writes the input, results go to ``w``.
+
+        All buckets' scales are exchanged first, so a non-finite input anywhere skips every
+        bucket before any error buffer changes (spec §5).
+        """
+        g, w = self._scratch["g"], self._scratch["w"]
+        prepared = []
+        for b in self._buckets:
+            buf = g[:b.exchange.padded_numel]
+            fill(b, buf)
+            scales = b.exchange.prepare(buf)
+            if scales is None:
+                return False
+            prepared.append(scales)
+        for b, scales in zip(self._buckets, prepared):
+            fill(b, g[:b.exchange.padded_numel])
+            b.exchange.finish(g[:b.exchange.padded_numel], scales, w[:b.numel])
+            yield b
+        return True
+
+    def _compress_grads(self) -> bool:
+        def fill(b, buf):
+            buf[b.numel:].zero_()
+            self._grads_into(b, buf)
+        gen = self._exchange_all(fill)
+        try:
+            while True:
+                b = next(gen)
+                self._write_grads(b, self._scratch["w"])
+        except StopIteration as stop:
+            return stop.value
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Context in which ``step()`` does not call ``synchronize()`` (Horovod's clipping pattern)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; also resets the backward-pass count of ``backward_passes_per_step``."""
+        for p in self._passes:
+            self._passes[p] = 0
+        super().zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One 0/1 Adam step of the kind the schedule gives (spec §2). Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        if self._pending is None:
+            raise RuntimeError("step() inside skip_synchronize() needs a prior optimizer.synchronize()")
+        step, kind, skip = self._pending
+        self._pending = None
+        self._synchronized = False
+        counters = self._counters
+        if kind in (StepKind.LOCAL, StepKind.SYNC) and step == self.schedule.var_freeze_step + 1:
+            self._enter_freeze(counters)
+        k = counters["exp_avg_sq_steps"] + (1 if kind is StepKind.VARIANCE and not skip else 0)
+        self.transport.counter.kind = kind.value
+        if not skip:
+            {StepKind.VARIANCE: self._variance_step, StepKind.COMPRESSED: self._compressed_step,
+             StepKind.LOCAL: self._local_step, StepKind.SYNC: self._sync_step}[kind](step, k)
+        self._record(kind, skip)
+        counters.update(step=step, exp_avg_sq_steps=k)
+        for p in self._passes:
+            self._passes[p] = 0
+        return loss
+
+    def _enter_freeze(self, counters: dict) -> None:
+        """Spec §4 'At the freeze': zero both error buffers, anchor <- x, remember lr."""
+        counters["freeze_lr"] = float(self.param_groups[0]["lr"])
+        for b in self._buckets:
+            b.exchange.zero_errors()
+            torch.cat([p.detach().reshape(-1).float() for p in b.params], out=b.anchor)
+        for group in self.param_groups:
+            group["lr_sum"], group["decay_product"] = 0.0, 1.0
+
+    def _load_x(self, b: _Bucket) -> torch.Tensor:
+        x = self._scratch["x"][:b.numel]
+        torch.cat([p.detach().reshape(-1).float() for p in b.params], out=x)
+        return x
+
+    def _variance_step(self, step, k):
+        g = self._scratch["g"]
+        for b in self._buckets:
+            h = self._hyper(self.param_groups[b.group_index], step, k)
+            self._grads_into(b, g)
+            x = self._load_x(b)
+            kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h)
+            self._scatter(x, b.params)
+
+    def _compressed_step(self, step, k):
+        g = self._scratch["g"]
+        for b in self._buckets:
+            h = self._hyper(self.param_groups[b.group_index], step, k)
+            self._grads_into(b, g)
+            x = self._load_x(b)
+            kinds.momentum_step(x, g[:b.numel], b.exp_avg, kinds.adam_denom(b.exp_avg_sq, h), h)
+            self._scatter(x, b.params)
+
+    def _local_update(self, b: _Bucket, h: kinds.Hyper, denom) -> torch.Tensor:
+        g = self._scratch["g"]
+        self._grads_into(b, g)
+        x = self._load_x(b)
+        if bool(torch.isfinite(g[:b.numel]).all()):
+            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h)
+        return x
+
+    def _advance_window(self, step):
+        for group in self.param_groups:
+            lr = float(group["lr"])
+            group["lr_sum"] = group["lr_sum"] + lr
+            if group["weight_decay"] and group.get("decoupled_weight_decay", False):
+                group["decay_product"] = group["decay_product"] * (1 - lr * group["weight_decay"])
+
+    def _local_step(self, step, k):
+        for b in self._buckets:
+            h = self._hyper(self.param_groups[b.group_index], step, k)
+            x = self._local_update(b, h, kinds.adam_denom(b.exp_avg_sq, h))
+            self._scatter(x, b.params)
+        self._advance_window(step)
+
+    def _sync_step(self, step, k):
+        denoms = {}
+        for b in self._buckets:
+            h = self._hyper(self.param_groups[b.group_index], step, k)
+            denoms[id(b)] = kinds.adam_denom(b.exp_avg_sq, h)
+            x = self._local_update(b, h, denoms[id(b)])
+            self._scatter(x, b.params)
+        self._advance_window(step)
+
+        def fill(b, buf):
+            group = self.param_groups[b.group_index]
+            buf[b.numel:].zero_()
+            anchor = b.anchor.clone() if group["decay_product"] != 1.0 else b.anchor
+            kinds.sync_prepare(self._load_x(b), anchor, denoms[id(b)], group["decay_product"], buf[:b.numel])
+
+        live = [b for b in self._buckets if self.param_groups[b.group_index]["lr_sum"] > 0]
+        all_buckets, self._buckets = self._buckets, live
+        try:
+            gen = self._exchange_all(fill)
+            while True:
+                try:
+                    b = next(gen)
+                except StopIteration as stop:
+                    synced = stop.value
+                    break
+                group = self.param_groups[b.group_index]
+                h = self._hyper(group, step, k)
+                if group["decay_product"] != 1.0:
+                    b.anchor.mul_(group["decay_product"])
+                x = self._scratch["x"][:b.numel]
+                kinds.sync_finish(x, b.anchor, b.exp_avg, denoms[id(b)], self._scratch["w"][:b.numel],
+                                  group["lr_sum"], h)
+                self._scatter(x, b.params)
+        finally:
+            self._buckets = all_buckets
+        if synced:
+            for group in self.param_groups:
+                group["lr_sum"], group["decay_product"] = 0.0, 1.0
+
+    def _record(self, kind: StepKind, skip: bool) -> None:
+        c = self.transport.counter
+        s = self._stats[kind.value]
+        s["steps"] += 1
+        s["rounds"], s["bytes_sent"] = c.rounds[kind.value], c.bytes_sent[kind.value]
+        self._stats_extra["skipped_steps"] += int(skip)
+        p = self.world_size
+        n = sum(b.numel for b in self._buckets)
+        self._stats_extra["adam_equivalent_bytes"] += int(round(2 * (p - 1) / p * 4 * n))
+
+    # -- reporting -----------------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """What this rank communicated so far.
+
+        Returns a dict: for each kind (``variance``, ``compressed``, ``local``, ``sync``) a dict
+        of ``steps``, ``rounds`` (collective calls) and ``bytes_sent``; ``bytes_sent_total``,
+        ``rounds_total``, ``skipped_steps``, ``adam_equivalent_bytes`` (what
+        ``hvd.DistributedOptimizer(torch.optim.Adam)`` at fp32 would have sent over the same
+        steps: an allreduce of every trainable fp32 gradient per step), ``transport`` and
+        ``world_size``. Bytes follow the table in :mod:`hvd_zoadam.transport`.
+        """
+        out = {k: dict(v) for k, v in self._stats.items()}
+        out["bytes_sent_total"] = sum(v["bytes_sent"] for v in self._stats.values())
+        out["rounds_total"] = sum(v["rounds"] for v in self._stats.values())
+        out.update(self._stats_extra)
+        out.update(transport=self.transport.describe(), world_size=self.world_size)
+        return out
+
+    def memory_bytes(self) -> dict:
+        """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor), ``error_buffers``,
+        ``scratch`` (reused every step) and ``total``."""
+        state = sum(3 * 4 * b.numel for b in self._buckets)
+        errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self._buckets)
+        scratch = sum(t.numel() * t.element_size() for t in self._scratch.values()) \
+            + sum(b.exchange.memory_bytes()["scratch"] for b in self._buckets)
+        return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+
+    def schedule_state(self) -> dict:
+        """The schedule after the last step: step, frozen, var_interval, var_counter,
+        exp_avg_sq_steps, local_step_interval, local_step_counter, freeze_lr."""
+        c = self._counters
+        out = self.schedule.describe(c["step"], lr=float(self.param_groups[0]["lr"]), freeze_lr=c["freeze_lr"])
+        out.update(exp_avg_sq_steps=c["exp_avg_sq_steps"], freeze_lr=c["freeze_lr"],
+                   lr_sum=[g["lr_sum"] for g in self.param_groups])
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
+        buffers in float32 (no cast through a low-precision parameter dtype). The counters in
+        ``param_groups`` are restored exactly, so the schedule resumes where it was. This
+        rank's error buffers are kept; use a per-rank save to restore them too."""
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
+        self._pending = None
+        super().load_state_dict(state_dict)
+        for b in self._buckets:
+            for key in ("exp_avg", "exp_avg_sq", "anchor"):
+                for p, view in zip(b.params, b.views[key]):
+                    if p in originals and key in originals[p]:
+                        view.copy_(originals[p][key].reshape(view.shape))
+                    self.state[p][key] = view
+        for group in self.param_groups:
+            group.setdefault("lr_sum", 0.0)
+            group.setdefault("decay_product", 1.0)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
+                         op=None, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                         process_set=None, *, var_freeze_step=100000, var_update_scaler=16,
+                         local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
+                         bias_correction=True, transport="auto", bucket_cap_mb=25.0):
+    """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam optimizer that communicates
+    through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
+
+    Horovod's arguments keep Horovod's meaning:
+
+    * ``named_parameters``: ``(name, param)`` tuples; names key the layout check across ranks.
+    * ``compression``: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``, which
+      casts the full-precision VARIANCE-step averages to fp16 on the wire, as Horovod does.
+      The 1-bit phases are already compressed and do not change.
+    * ``backward_passes_per_step`` (>= 1): gradients of that many ``backward()`` calls are
+      summed locally (torch semantics) before ``step()``; more raise Horovod's error.
+    * ``op``: only ``hvd.Average`` (the default); 0/1 Adam is defined on the average.
+    * ``gradient_predivide_factor``: as Horovod, splits the VARIANCE average into a
+      divide by f before and a multiply by f/P after the sum. The 1-bit exchange is
+      scale-free and does not use it.
+    * ``groups``: not supported (hvd_zoadam fuses parameters into buckets of
+      ``bucket_cap_mb`` itself); pass ``None``.
+    * ``sparse_as_dense``: sparse gradients are densified when True and refused otherwise.
+    * ``process_set``: the ranks this optimizer trains with (default: all).
+
+    0/1 Adam's keyword-only knobs (spec §4): ``var_freeze_step`` (T_f, steps),
+    ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
+    (H_max, steps), ``local_step_policy`` (``"steps"``, ``"lr"`` or ``"constant"``),
+    ``bias_correction``, ``transport`` (``"auto"`` or ``"horovod"``), ``bucket_cap_mb``
+    (the fused bucket size, MiB of float32).
+
+    Returns:
+        A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a plain ``torch.optim.Adam``/``AdamW``, or a knob
+            has the wrong type.
+        ValueError: an unsupported option (``amsgrad``, ``op=hvd.Adasum``, ``groups``, ...)
+            or a knob out of range; the message names the option and the fix.
+    """
+    import horovod.torch as hvd
+
+    if isinstance(optimizer, ZeroOneAdamOptimizer):
+        raise TypeError("this optimizer is already an hvd_zoadam optimizer; wrap the plain torch.optim.Adam once")
+    if type(optimizer).__module__ == "horovod.torch.optimizer":
+        raise TypeError("this optimizer was already wrapped by hvd.DistributedOptimizer; pass the plain "
+                        "torch.optim.Adam/AdamW to hvd_zoadam.DistributedOptimizer instead")
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError("hvd_zoadam.DistributedOptimizer supports torch.optim.Adam (L2 weight decay) and "
+                        f"torch.optim.AdamW (decoupled weight decay); got {type(optimizer).__name__}")
+    compression = hvd.Compression.none if compression is None else compression
+    if compression not in (hvd.Compression.none, hvd.Compression.fp16):
+        raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16 (applied to the "
+                         f"full-precision VARIANCE steps); got {compression!r}")
+    op = hvd.Average if op is None else op
+    if op == hvd.Adasum:
+        raise ValueError("op=hvd.Adasum cannot be combined with 0/1 Adam, which compresses and averages "
+                         "updates itself; use op=hvd.Average (the default) or hvd.DistributedOptimizer for Adasum")
+    if op != hvd.Average:
+        raise ValueError(f"op must be hvd.Average for 0/1 Adam (its updates are averages); got {op!r}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+        raise TypeError(f"backward_passes_per_step must be an int, got {backward_passes_per_step!r}")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0 \
+            or not math.isfinite(gradient_predivide_factor):
+        raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}")
+    if groups is not None:
+        raise ValueError("groups is not supported by hvd_zoadam, which fuses parameters into buckets itself; "
+                         "pass groups=None and tune bucket_cap_mb instead")
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
+    if local_step_policy not in LOCAL_STEP_POLICIES:
+        raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, got {local_step_policy!r}")
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
+    schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
+                        local_step_policy)
+    transport = make_transport(transport, process_set)
+    return ZeroOneAdamOptimizer(
+        optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
+        bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)))

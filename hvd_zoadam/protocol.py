@@ -1,0 +1,159 @@
+"""The two-phase 1-bit compressed allreduce C(y) of spec §3.
+
+Per bucket (one or more tensors laid out as segments of one flat buffer):
+
+1. worker side: ``z = y + worker_error``; one scale per segment,
+   ``||z_seg|| / sqrt(len_seg)`` in float64;
+2. round 1, allgather of the scales (float32[nseg] per rank). A non-finite scale
+   on any rank means a non-finite input somewhere: every rank sees it and skips
+   the exchange together, leaving both error buffers untouched (spec §5);
+3. worker side: pack the signs MSB first and set ``worker_error <- z - scale*sign``;
+4. round 2, alltoall of the packed bytes: chunk q (N/(8P) bytes) goes to rank q;
+5. server side on rank r for chunk r: ``c = (1/P)·Σ_i scale_i·sign_i + server_error``,
+   one scale per segment piece of the chunk, pack, ``server_error <- c - scale*sign``;
+6. round 3, allgather of ``[server scales as bytes | packed chunk]``;
+7. every rank unpacks the same bytes, so the result is bitwise identical on all ranks.
+
+Three rounds per bucket. Sending the scales first (a few bytes) is what lets the
+ranks agree on a skip before any error buffer changes.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import native
+from .layout import padded_numel, segment_offsets
+from .transport import Transport
+
+
+class NonFiniteError(FloatingPointError):
+    """A compressed allreduce met a NaN or Inf input on some rank; all ranks raise it together."""
+
+
+class Exchange:
+    """Plan, error buffers and scratch of one bucket's compressed exchange on one rank.
+
+    Args:
+        numels: element counts of the bucket's segments, in order (all > 0).
+        transport: the collectives; fixes the world size P and the rank.
+        name: a rank-independent, job-unique prefix for the collective names.
+        worker_error, server_error: float32 buffers to use (default: new zeros).
+
+    Attributes:
+        worker_error: float32[padded_numel], e_w.
+        server_error: float32[padded_numel // P], e_s.
+
+    The input ``y`` of :meth:`prepare`/:meth:`finish` is float32[padded_numel] with
+    the padding at 0; it is owned by the caller (a scratch shared by all buckets).
+    """
+
+    def __init__(self, numels, transport: Transport, name: str, worker_error=None, server_error=None):
+        self.transport = transport
+        self.name = name
+        p, r = transport.world_size, transport.rank
+        self.offsets = segment_offsets(numels)
+        self.numel = self.offsets[-1]
+        self.padded_numel = padded_numel(self.numel, p)
+        self.chunk_numel = self.padded_numel // p
+        self.nseg = len(self.offsets) - 1
+        self.plan = native.Plan(self.offsets, self.padded_numel, p, r)
+        self.worker_error = torch.zeros(self.padded_numel) if worker_error is None else worker_error
+        self.server_error = torch.zeros(self.chunk_numel) if server_error is None else server_error
+        self._scales = torch.zeros(self.nseg, dtype=torch.float32)
+        self._packed = torch.zeros(self.padded_numel // 8, dtype=torch.uint8)
+        nbytes = self.chunk_numel // 8
+        # Round 3 message: [server scales as bytes | packed chunk], scales first for alignment.
+        self._server_msg = torch.zeros(4 * self.nseg + nbytes, dtype=torch.uint8)
+        self._server_scales = self._server_msg[:4 * self.nseg].view(torch.float32)
+        self._server_packed = self._server_msg[4 * self.nseg:]
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: the two error buffers, and the reusable packed-byte scratch."""
+        errors = (self.worker_error.numel() + self.server_error.numel()) * 4
+        return {"error_buffers": errors, "scratch": self._packed.numel() + self._server_msg.numel()}
+
+    def zero_errors(self) -> None:
+        self.worker_error.zero_()
+        self.server_error.zero_()
+
+    def prepare(self, y: torch.Tensor):
+        """Worker scales and round 1. Returns float32[P, nseg] of every rank's scales, or
+        None when some rank's input is non-finite (every rank returns None together)."""
+        p = self.transport.world_size
+        if p == 1:
+            return self._scales if bool(torch.isfinite(y[:self.numel]).all()) else None
+        native.worker_scales(y, self.worker_error, self.plan, self._scales)
+        all_scales = self.transport.allgather(self._scales, f"{self.name}.scales").view(p, self.nseg)
+        return all_scales if bool(torch.isfinite(all_scales).all()) else None
+
+    def finish(self, y: torch.Tensor, all_worker_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rounds 2 and 3 for the ``y`` given to :meth:`prepare`: C(y) into ``out`` (float32[numel])."""
+        t, p = self.transport, self.transport.world_size
+        if p == 1:
+            return out.copy_(y[:self.numel])
+        native.worker_pack(y, self.worker_error, self.plan, self._scales, self._packed)
+        recv = t.alltoall(self._packed, f"{self.name}.signs").view(p, -1)
+        native.server_reduce(recv, all_worker_scales, self.server_error, self.plan,
+                             self._server_packed, self._server_scales)
+        gathered = t.allgather(self._server_msg, f"{self.name}.server").view(p, -1)
+        packed = gathered[:, 4 * self.nseg:].reshape(-1)
+        server_scales = gathered[:, :4 * self.nseg].contiguous().view(torch.float32).view(p, self.nseg)
+        return native.decompress(packed, server_scales, self.plan, out)
+
+
+def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                         *, process_set=None, transport="auto", name: str | None = None) -> torch.Tensor:
+    """The two-phase 1-bit compressed allreduce C(y) of spec §3, for one tensor.
+
+    Every rank of the process set must call it with a tensor of the same shape.
+
+    Args:
+        tensor: y, any shape; float32, float16 or bfloat16, CPU.
+        worker_error: float32[padded_numel(n, P)], e_w, updated in place.
+        server_error: float32[padded_numel(n, P) // P], e_s, updated in place.
+        process_set: a Horovod process set (default: the global one).
+        transport: ``"auto"``/``"horovod"`` (Horovod's collectives), or a
+            :class:`~hvd_zoadam.transport.Transport` instance.
+        name: prefix of the collective names (default: derived from a call counter).
+
+    Returns:
+        A new tensor of ``tensor``'s shape and dtype, bitwise identical on every rank,
+        approximating the average of ``tensor`` over the ranks. With P = 1 it equals
+        ``tensor`` and the error buffers are untouched.
+
+    Raises:
+        ValueError/TypeError: wrong buffer sizes or dtypes.
+        NonFiniteError: a NaN/Inf reached the exchange on some rank; raised on every
+            rank together, with both error buffers untouched.
+    """
+    from .optimizer import make_transport  # late: avoids importing horovod for pure users
+
+    t = make_transport(transport, process_set)
+    n, p = tensor.numel(), t.world_size
+    want_w, want_s = padded_numel(n, p), padded_numel(n, p) // p
+    for buf, want, label in ((worker_error, want_w, "worker_error"), (server_error, want_s, "server_error")):
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.float32:
+            raise TypeError(f"{label} must be a float32 torch.Tensor, got "
+                            f"{getattr(buf, 'dtype', type(buf).__name__)}")
+        if buf.numel() != want or not buf.is_contiguous():
+            raise ValueError(f"{label} must be contiguous with {want} elements (padded_numel({n}, {p})"
+                             f"{' // ' + str(p) if label == 'server_error' else ''}), got {buf.numel()}")
+    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"compressed_allreduce supports float32, float16 and bfloat16 tensors, got {tensor.dtype}")
+    if n == 0:
+        return tensor.clone()
+    if name is None:
+        compressed_allreduce.calls += 1
+        name = f"zoadam.car.{compressed_allreduce.calls}"
+    ex = Exchange([n], t, name, worker_error.view(-1), server_error.view(-1))
+    y = torch.zeros(ex.padded_numel, dtype=torch.float32)
+    y[:n].copy_(tensor.reshape(-1))
+    scales = ex.prepare(y)
+    if scales is None:
+        raise NonFiniteError(f"compressed_allreduce({name}): a non-finite value reached the exchange on "
+                             "some rank; no error buffer was changed")
+    out = ex.finish(y, scales, torch.empty(n, dtype=torch.float32))
+    return out.view(tensor.shape).to(tensor.dtype)
+
+
+compressed_allreduce.calls = 0

@@ -1,0 +1,160 @@
+"""The step schedule of 0/1 Adam (spec §4): a pure object.
+
+From the step number t (1, 2, ...) and the config, :meth:`Schedule.kind` says what
+kind of step t is, so every rank agrees with no communication. Nothing here imports
+torch or horovod, and nothing is stored: the variance intervals follow from t
+alone, and the local-step interval from t (``"steps"`` and ``"constant"``
+policies) or from the current and the freeze-time learning rate (``"lr"``).
+A checkpoint therefore only needs t (and the freeze-time lr), and a reload can
+never reset a schedule (spec §7 #6).
+"""
+from __future__ import annotations
+
+import enum
+import numbers
+from dataclasses import dataclass
+
+LOCAL_STEP_POLICIES = ("steps", "lr", "constant")
+
+
+class StepKind(enum.Enum):
+    """The four kinds of step of spec §2."""
+
+    VARIANCE = "variance"      #: before the freeze, t in T_v: full-precision average of g
+    COMPRESSED = "compressed"  #: before the freeze, t not in T_v: 1-bit allreduce of g
+    LOCAL = "local"            #: after the freeze: no communication
+    SYNC = "sync"              #: after the freeze, t in T_u: 1-bit allreduce of the window's update
+
+
+def check_positive_int(value, name: str, hint: str = "") -> int:
+    """Return ``value`` as an int >= 1 or raise TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int (steps), got {value!r} of type "
+                        f"{type(value).__name__}. {hint}".rstrip())
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}. {hint}".rstrip())
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """T_v and T_u of spec §4.
+
+    Args:
+        var_freeze_step: T_f (steps, >= 1). Steps t <= T_f are before the variance freeze.
+        var_update_scaler: kappa (>= 1). The variance interval I starts at 1 and doubles
+            after every kappa-th variance step; t in T_v iff t <= T_f and t mod I == 0.
+        local_step_scaler: alpha (steps, >= 1). With the ``"steps"`` policy the local-step
+            interval H doubles after every alpha steps past the freeze.
+        local_step_clipper: H_max (steps, >= 1), the cap on H.
+        local_step_policy: ``"steps"`` (DeepSpeed's rule), ``"lr"`` (H doubles each time
+            the learning rate has halved relative to its value at the freeze; paper §4)
+            or ``"constant"`` (H = H_max).
+
+    Raises:
+        TypeError, ValueError: for a knob that is not a positive int, or an unknown policy.
+    """
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
+    local_step_policy: str = "steps"
+
+    def __post_init__(self):
+        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            object.__setattr__(self, name, check_positive_int(getattr(self, name), name))
+        if self.local_step_policy not in LOCAL_STEP_POLICIES:
+            raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, "
+                             f"got {self.local_step_policy!r}")
+
+    # -- before the freeze ---------------------------------------------------------------
+    def variance_state(self, step: int) -> dict:
+        """After step ``step`` (counting only steps <= T_f): the variance bookkeeping.
+
+        Returns a dict with ``is_variance`` (step in T_v), ``var_interval`` (I in force
+        for the next step), ``var_counter`` (variance steps since I last doubled) and
+        ``exp_avg_sq_steps`` (k, variance steps <= step).
+        """
+        kappa, limit = self.var_update_scaler, min(step, self.var_freeze_step)
+        interval, counter, k, last = 1, 0, 0, 0
+        while True:
+            first = (last // interval + 1) * interval
+            if first > limit:
+                break
+            taken = min(kappa, (limit - first) // interval + 1)
+            k += taken
+            last = first + (taken - 1) * interval
+            if taken < kappa:
+                counter = taken
+                break
+            interval *= 2
+            counter = 0
+        return {"is_variance": 1 <= step <= self.var_freeze_step and last == step,
+                "var_interval": interval, "var_counter": counter, "exp_avg_sq_steps": k}
+
+    def variance_steps(self, last_step: int) -> list[int]:
+        """All t in T_v with t <= last_step, in order (for tests and plots)."""
+        out, kappa, interval, t = [], self.var_update_scaler, 1, 0
+        limit = min(last_step, self.var_freeze_step)
+        while True:
+            for _ in range(kappa):
+                t = (t // interval + 1) * interval
+                if t > limit:
+                    return out
+                out.append(t)
+            interval *= 2
+
+    # -- after the freeze ----------------------------------------------------------------
+    def local_step_interval(self, step: int, lr: float | None = None, freeze_lr: float | None = None) -> int:
+        """H in force at step ``step`` (> T_f).
+
+        ``lr``/``freeze_lr`` (the learning rate now and at the freeze) are needed by the
+        ``"lr"`` policy only; there H = min(H_max, 2**h) where h is the number of
+        halvings of ``lr`` relative to ``freeze_lr`` (H_max when lr == 0).
+        """
+        h_max = self.local_step_clipper
+        if self.local_step_policy == "constant":
+            return h_max
+        if self.local_step_policy == "lr":
+            if lr is None or freeze_lr is None:
+                raise ValueError("local_step_policy='lr' needs the current lr and the lr at the freeze")
+            if lr <= 0:
+                return h_max
+            interval, x = 1, float(lr)
+            while interval < h_max and 2.0 * x <= freeze_lr:
+                x *= 2.0
+                interval = min(h_max, 2 * interval)
+            return interval
+        doublings = (step - self.var_freeze_step - 1) // self.local_step_scaler
+        interval = 1
+        for _ in range(doublings):
+            if interval >= h_max:
+                break
+            interval = min(h_max, 2 * interval)
+        return min(interval, h_max)
+
+    def kind(self, step: int, lr: float | None = None, freeze_lr: float | None = None) -> StepKind:
+        """The kind of step ``step`` (1-based). See the class docstring for the rules."""
+        step = check_positive_int(step, "step")
+        if step <= self.var_freeze_step:
+            return StepKind.VARIANCE if self.variance_state(step)["is_variance"] else StepKind.COMPRESSED
+        if freeze_lr is None and self.local_step_policy == "lr":
+            freeze_lr = lr
+        interval = self.local_step_interval(step, lr, freeze_lr)
+        return StepKind.SYNC if (step - self.var_freeze_step) % interval == 0 else StepKind.LOCAL
+
+    def describe(self, step: int, lr: float | None = None, freeze_lr: float | None = None) -> dict:
+        """Everything a rank can report about the schedule after ``step`` steps (0 = none yet)."""
+        var = self.variance_state(step)
+        frozen = step > self.var_freeze_step
+        out = {"step": step, "frozen": frozen, "var_interval": var["var_interval"],
+               "var_counter": var["var_counter"], "exp_avg_sq_steps": var["exp_avg_sq_steps"],
+               "local_step_interval": 1, "local_step_counter": 0}
+        if frozen:
+            past = step - self.var_freeze_step
+            if freeze_lr is None and self.local_step_policy == "lr":
+                freeze_lr = lr
+            out["local_step_interval"] = self.local_step_interval(step, lr, freeze_lr)
+            out["local_step_counter"] = past % self.local_step_scaler
+        return out

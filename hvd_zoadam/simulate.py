@@ -1,0 +1,129 @@
+"""In-process oracle: P workers of the 1-bit exchange and of 0/1 Adam in plain torch loops.
+
+Built only on :mod:`hvd_zoadam.native.reference` and the spec's formulas, with no
+transport, threads or Numba, so the tests can compare the real multi-process
+product against it. Each worker is a list of tensors; one bucket holds all of
+them as segments, in order (as the optimizer lays out a model smaller than its
+bucket cap).
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import padded_numel, segment_offsets
+from .native import reference
+from .schedule import Schedule, StepKind
+
+
+def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=None):
+    """C(y) over P simulated workers.
+
+    Args:
+        inputs: P float32 tensors y_r of n elements each.
+        worker_errors: P float32[padded_numel(n, P)], updated in place.
+        server_errors: P float32[padded_numel(n, P) // P], updated in place.
+        numels: segment sizes (default: one segment of n).
+
+    Returns:
+        float32[n], the common result; or None when a scale is non-finite (then no
+        buffer changes).
+    """
+    world_size = len(inputs)
+    n = inputs[0].numel()
+    offsets = segment_offsets(numels if numels is not None else [n])
+    big_n = padded_numel(n, world_size)
+    chunk = big_n // world_size
+    ys = []
+    for y in inputs:
+        padded = torch.zeros(big_n)
+        padded[:n] = y.reshape(-1).float()
+        ys.append(padded)
+    if world_size == 1:
+        return ys[0][:n].clone() if torch.isfinite(ys[0]).all() else None
+    scales = torch.stack([reference.worker_scales(y, e, offsets) for y, e in zip(ys, worker_errors)])
+    if not torch.isfinite(scales).all():
+        return None
+    packed = [reference.worker_pack(y, e, offsets, s) for y, e, s in zip(ys, worker_errors, scales)]
+    server_packed, server_scales = [], []
+    for r in range(world_size):
+        recv = torch.stack([pk[r * chunk // 8:(r + 1) * chunk // 8] for pk in packed])
+        pk, sc = reference.server_reduce(recv, scales, server_errors[r], offsets, r * chunk)
+        server_packed.append(pk)
+        server_scales.append(sc)
+    return reference.decompress(torch.cat(server_packed), torch.stack(server_scales), offsets, n)
+
+
+def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
+                    eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True):
+    """0/1 Adam (spec §2) on P simulated workers, one bucket of all ``params``.
+
+    Args:
+        params: list of float32 tensors, the common initial x.
+        grad_fn: ``grad_fn(step, rank, xs) -> list of tensors``, rank r's gradient at x = xs.
+        lr_fn: ``lr_fn(step) -> float``.
+
+    Returns:
+        (xs, kinds): per rank the final list of parameter tensors, and the list of step kinds.
+    """
+    beta1, beta2 = betas
+    numels = [p.numel() for p in params]
+    n = sum(numels)
+    big_n = padded_numel(n, world_size)
+    xs = [torch.cat([p.reshape(-1).float() for p in params]) for _ in range(world_size)]
+    m = [torch.zeros(n) for _ in range(world_size)]
+    v = torch.zeros(n)
+    anchor = torch.zeros(n)
+    we = [torch.zeros(big_n) for _ in range(world_size)]
+    se = [torch.zeros(big_n // world_size) for _ in range(world_size)]
+    k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
+
+    def flat_grads(t):
+        out = []
+        for r in range(world_size):
+            views = [x.view_as(p) for x, p in zip(xs[r].split(numels), params)]
+            out.append(torch.cat([g.reshape(-1).float() for g in grad_fn(t, r, views)]))
+        return out
+
+    for t in range(1, steps + 1):
+        lr = lr_fn(t)
+        kind = schedule.kind(t, lr=lr, freeze_lr=freeze_lr)
+        kinds.append(kind)
+        bc1 = 1 - beta1 ** t if bias_correction else 1.0
+        if kind in (StepKind.LOCAL, StepKind.SYNC) and t == schedule.var_freeze_step + 1:
+            freeze_lr = lr
+            for e in we + se:
+                e.zero_()
+            anchor = xs[0].clone()
+        g = flat_grads(t)
+        if kind is StepKind.VARIANCE:
+            k += 1
+            avg = sum(g[1:], g[0].clone()) / world_size
+            g = [avg] * world_size
+        elif kind is StepKind.COMPRESSED:
+            out = simulate_compressed_allreduce(g, we, se, numels)
+            g = [out] * world_size
+        bc2 = 1 - beta2 ** max(k, 1) if bias_correction else 1.0
+        for r in range(world_size):
+            if decoupled and weight_decay:
+                xs[r].mul_(1 - lr * weight_decay)
+            gr = g[r].add(xs[r], alpha=weight_decay) if (weight_decay and not decoupled) else g[r]
+            m[r].lerp_(gr, 1 - beta1)
+            if kind is StepKind.VARIANCE and r == 0:
+                v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
+        denom = (v.sqrt() / bc2 ** 0.5).add_(eps)
+        for r in range(world_size):
+            xs[r].addcdiv_(m[r], denom, value=-lr / bc1)
+        if kind in (StepKind.LOCAL, StepKind.SYNC):
+            lr_sum += lr
+            if decoupled and weight_decay:
+                decay *= 1 - lr * weight_decay
+        if kind is StepKind.SYNC and lr_sum > 0:
+            anchor.mul_(decay) if decay != 1.0 else None
+            u = [(anchor - x) * denom for x in xs]
+            w = simulate_compressed_allreduce(u, we, se, numels)
+            for r in range(world_size):
+                xs[r] = anchor - w / denom
+                m[r] = w * (bc1 / lr_sum)
+            anchor = xs[0].clone()
+            lr_sum, decay = 0.0, 1.0
+    return [[x.view_as(p).clone() for x, p in zip(xr.split(numels), params)] for xr in xs], kinds

@@ -1,0 +1,122 @@
+"""Reference semantics of the 1-bit compressor, in plain torch (spec §3).
+
+This module owns the bit layout and the arithmetic. The Numba kernels in
+``cpu.py`` must reproduce it bit for bit, given the same scales; the scales
+themselves may differ in the last float64 bit of their sums (summation order),
+which after the float32 cast almost never shows.
+
+Conventions shared by every function here:
+
+* ``y`` and ``worker_error`` are float32, 1-D, of ``padded_numel`` elements. The
+  real elements are ``y[:offsets[-1]]``; the rest is padding, which is 0 in ``y``
+  and stays 0 in the error buffers.
+* ``offsets`` is an int64 array of ``nseg + 1`` ascending element offsets: segment
+  ``i`` (one tensor of a bucket) is ``[offsets[i], offsets[i+1])``. ``offsets[0] == 0``.
+* Sign: ``+1`` where ``z >= 0`` (so both ``+0.0`` and ``-0.0`` give ``+1``), else ``-1``.
+* Packing: element ``j`` of a chunk goes to byte ``j // 8``, bit ``7 - j % 8``
+  (most significant bit first, numpy ``packbits`` order); bit 1 means ``+1``.
+* Scale of a segment (or of a segment's piece inside a server chunk):
+  ``sqrt(sum(z**2) / count)`` with the sum in float64 over real elements only,
+  then cast to float32. An empty segment has scale 0.
+"""
+from __future__ import annotations
+
+import torch
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_signs(z: torch.Tensor) -> torch.Tensor:
+    """Pack ``z >= 0`` MSB-first. ``z``: float, length a multiple of 8. Returns uint8[len/8]."""
+    bits = (z >= 0).to(torch.uint8).view(-1, 8)
+    return (bits * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: uint8[m] -> float32[8m] of +1/-1."""
+    bits = (packed.view(-1, 1) & _BIT_WEIGHTS) != 0
+    return torch.where(bits, 1.0, -1.0).to(torch.float32).view(-1)
+
+
+def _segment_scale(z: torch.Tensor) -> torch.Tensor:
+    if z.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    sumsq = (z.double() ** 2).sum()
+    return torch.sqrt(sumsq / z.numel()).float()
+
+
+def _expand(scales: torch.Tensor, offsets, start: int, stop: int) -> torch.Tensor:
+    """Per-element scale for elements [start, stop): segment scale, 0 on padding."""
+    out = torch.zeros(stop - start, dtype=torch.float32)
+    for i in range(len(offsets) - 1):
+        lo, hi = max(int(offsets[i]), start), min(int(offsets[i + 1]), stop)
+        if lo < hi:
+            out[lo - start:hi - start] = scales[i]
+    return out
+
+
+def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, offsets) -> torch.Tensor:
+    """Per-segment scale of ``z = y + worker_error``: float32[nseg]."""
+    z = y + worker_error
+    return torch.stack([_segment_scale(z[int(offsets[i]):int(offsets[i + 1])])
+                        for i in range(len(offsets) - 1)]) if len(offsets) > 1 else torch.zeros(0)
+
+
+def worker_pack(y, worker_error, offsets, scales) -> torch.Tensor:
+    """Sign-pack ``z = y + worker_error`` and set ``worker_error <- z - scale*sign``.
+
+    Returns uint8[padded_numel / 8]. ``worker_error`` is updated in place.
+    """
+    z = y + worker_error
+    sign = torch.where(z >= 0, 1.0, -1.0).to(torch.float32)
+    worker_error.copy_(z - _expand(scales, offsets, 0, z.numel()) * sign)
+    return pack_signs(z)
+
+
+def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_error: torch.Tensor,
+                  offsets, chunk_start: int):
+    """Server side for one chunk (spec §3).
+
+    Args:
+        recv: uint8[P, chunk_numel/8], the chunk as packed by ranks 0..P-1.
+        all_worker_scales: float32[P, nseg].
+        server_error: float32[chunk_numel], updated in place.
+        offsets: segment offsets of the bucket.
+        chunk_start: element offset of this chunk in the bucket.
+
+    Returns:
+        (packed uint8[chunk_numel/8], server_scales float32[nseg]), where the scale of
+        segment i is over its piece inside this chunk (0 if the piece is empty).
+    """
+    world_size, chunk_numel = recv.shape[0], server_error.numel()
+    acc = torch.zeros(chunk_numel, dtype=torch.float32)
+    for p in range(world_size):
+        acc = acc + _expand(all_worker_scales[p], offsets, chunk_start, chunk_start + chunk_numel) \
+            * unpack_signs(recv[p])
+    c = acc / torch.full_like(acc, world_size) + server_error
+    nseg = len(offsets) - 1
+    scales = torch.zeros(nseg, dtype=torch.float32)
+    for i in range(nseg):
+        lo = max(int(offsets[i]), chunk_start) - chunk_start
+        hi = min(int(offsets[i + 1]), chunk_start + chunk_numel) - chunk_start
+        if lo < hi:
+            scales[i] = _segment_scale(c[lo:hi])
+    sign = torch.where(c >= 0, 1.0, -1.0).to(torch.float32)
+    server_error.copy_(c - _expand(scales, offsets, chunk_start, chunk_start + chunk_numel) * sign)
+    return pack_signs(c), scales
+
+
+def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets, numel: int) -> torch.Tensor:
+    """Unpack the allgathered server chunks: float32[numel] (padding cut off).
+
+    ``packed``: uint8[padded_numel/8], chunks of ranks 0..P-1 in order;
+    ``all_server_scales``: float32[P, nseg].
+    """
+    world_size = all_server_scales.shape[0]
+    signs = unpack_signs(packed)
+    chunk_numel = signs.numel() // world_size if world_size else 0
+    out = torch.empty(signs.numel(), dtype=torch.float32)
+    for q in range(world_size):
+        lo, hi = q * chunk_numel, (q + 1) * chunk_numel
+        out[lo:hi] = _expand(all_server_scales[q], offsets, lo, hi) * signs[lo:hi]
+    return out[:numel]
