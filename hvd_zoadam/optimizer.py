@@ -155,6 +155,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._checked_layout = False
         self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
         self._stats_extra = {"skipped_steps": 0, "adam_equivalent_bytes": 0}
+        self._adam_equivalent_bytes = 0.0
         self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
         for index, group in enumerate(self.param_groups):
             _check_group(group, index)
@@ -547,11 +548,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         c = self.transport.counter
         s = self._stats[kind.value]
         s["steps"] += 1
-        s["rounds"], s["bytes_sent"] = c.rounds[kind.value], c.bytes_sent[kind.value]
+        s["rounds"], s["bytes_sent"] = c.rounds[kind.value], int(round(c.bytes_sent[kind.value]))
         self._stats_extra["skipped_steps"] += int(skip)
         p = self.world_size
         n = sum(b.numel for b in self._buckets)
-        self._stats_extra["adam_equivalent_bytes"] += int(round(2 * (p - 1) / p * 4 * n))
+        self._adam_equivalent_bytes += 2 * (p - 1) / p * 4 * n
+        self._stats_extra["adam_equivalent_bytes"] = int(round(self._adam_equivalent_bytes))
 
     # -- reporting -----------------------------------------------------------------------------
     def comm_stats(self) -> dict:

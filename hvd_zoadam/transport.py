@@ -33,12 +33,12 @@ class CommCounter:
     """Bytes sent and rounds, per step kind (a string key such as ``"variance"``)."""
 
     def __init__(self):
-        self.bytes_sent = defaultdict(int)
+        self.bytes_sent = defaultdict(float)  # fractional per call; rounded when reported
         self.rounds = defaultdict(int)
         self.kind = "other"
 
     def add(self, nbytes: float, rounds: int = 1):
-        self.bytes_sent[self.kind] += int(round(nbytes))
+        self.bytes_sent[self.kind] += nbytes
         self.rounds[self.kind] += rounds
 
 

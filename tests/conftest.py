@@ -1,0 +1,59 @@
+"""Shared fixtures: launching real multi-process jobs with a timeout."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+JOB_TIMEOUT_S = int(os.environ.get("HVD_ZOADAM_TEST_JOB_TIMEOUT", "240"))
+
+
+def launch_cmd(launcher: str, np_: int, argv: list[str]) -> list[str]:
+    """The command line that starts ``argv`` on ``np_`` ranks with ``launcher``.
+
+    launcher: ``gloo`` (horovodrun --gloo), ``hvdmpi`` (horovodrun --mpi),
+    ``mpi`` (plain mpirun), or ``single`` (one process, no launcher).
+    """
+    py = [sys.executable, *argv]
+    horovodrun = str(BIN / "horovodrun")
+    if launcher == "gloo":
+        return [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", *py]
+    if launcher == "hvdmpi":
+        return [horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", "--mpi",
+                "--mpi-args=--oversubscribe --allow-run-as-root", *py]
+    if launcher == "mpi":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-x", "PATH", *py]
+    if launcher == "single":
+        return py
+    raise ValueError(launcher)
+
+
+def run_job(launcher: str, np_: int, argv: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run a multi-process job; fail the test (not hang) past ``timeout_s`` seconds."""
+    full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+                    OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", **(env or {}))
+    cmd = launch_cmd(launcher, np_, argv)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"job timed out after {timeout_s}s: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"job failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def load_ranks(out_dir: Path, np_: int) -> list[dict]:
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(np_)]
+
+
+def have_mpirun() -> bool:
+    return shutil.which("mpirun") is not None

@@ -1,0 +1,45 @@
+"""Deterministic models, data and inputs shared by the multi-process workers and the pytest side."""
+from __future__ import annotations
+
+import torch
+
+CAR_SIZES = [0, 1, 2, 19, 22, 72, 1000, 4099]
+CAR_CALLS = 3
+
+
+def car_input(n: int, rank: int, call: int, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * n + 100 * call + rank)
+    return (torch.randn(n, generator=gen) * (1 + rank)).to(dtype)
+
+
+def mlp(seed: int = 1234) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batch(step: int, rank: int):
+    gen = torch.Generator().manual_seed(1000 + 7919 * step + rank)
+    x = torch.randn(8, 6, generator=gen)
+    y = torch.randn(8, 3, generator=gen)
+    return x, y
+
+
+def loss_fn(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = batch(step, rank)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def grads_at(step: int, rank: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradient of rank ``rank``'s loss at step ``step`` for the MLP with parameters ``params``."""
+    model = mlp()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    model.zero_grad()
+    loss_fn(model, step, rank).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+TRAIN = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+TRAIN_STEPS = 24
+LR = 1e-2

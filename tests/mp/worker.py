@@ -1,0 +1,104 @@
+"""Multi-process worker: runs every scenario on this rank and saves what it saw.
+
+Usage (launched by tests/conftest.py): ``worker.py OUT_DIR``. Rank r writes
+``OUT_DIR/rank{r}.pt``; the pytest side compares against the in-process oracle.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import horovod.torch as hvd
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+import hvd_zoadam  # noqa: E402
+
+
+def scenario_car(out):
+    p, r = hvd.size(), hvd.rank()
+    res = {}
+    for n in common.CAR_SIZES:
+        we = torch.zeros(hvd_zoadam.padded_numel(n, p))
+        se = torch.zeros(hvd_zoadam.padded_numel(n, p) // p)
+        outs = []
+        for call in range(common.CAR_CALLS):
+            outs.append(hvd_zoadam.compressed_allreduce(common.car_input(n, r, call), we, se))
+        res[n] = {"outs": outs, "we": we.clone(), "se": se.clone()}
+    for dtype in (torch.float16, torch.bfloat16):
+        n = 37
+        we = torch.zeros(hvd_zoadam.padded_numel(n, p))
+        se = torch.zeros(hvd_zoadam.padded_numel(n, p) // p)
+        res[str(dtype)] = hvd_zoadam.compressed_allreduce(common.car_input(n, r, 0, dtype), we, se)
+    # A NaN on the last rank only: every rank raises, and no buffer changes.
+    n = 19
+    we = torch.zeros(hvd_zoadam.padded_numel(n, p))
+    se = torch.zeros(hvd_zoadam.padded_numel(n, p) // p)
+    hvd_zoadam.compressed_allreduce(common.car_input(n, r, 0), we, se)
+    before = (we.clone(), se.clone())
+    x = common.car_input(n, r, 1)
+    if r == p - 1:
+        x[3] = float("nan")
+    try:
+        hvd_zoadam.compressed_allreduce(x, we, se)
+        res["nan"] = "no error"
+    except hvd_zoadam.NonFiniteError:
+        res["nan"] = "raised"
+    res["nan_untouched"] = torch.equal(we, before[0]) and torch.equal(se, before[1])
+    out["car"] = res
+
+
+def train(make_opt, steps, record_sync=False):
+    model = common.mlp()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = make_opt(model)
+    per_step = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        common.loss_fn(model, t, hvd.rank()).backward()
+        kind = opt._next_kind()[1].value if isinstance(opt, hvd_zoadam.ZeroOneAdamOptimizer) else "adam"
+        opt.step()
+        if record_sync:
+            per_step.append({"kind": kind,
+                             "params": [p.detach().clone() for p in model.parameters()],
+                             "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]})
+    return model, opt, per_step
+
+
+def scenario_adam_oracle(out):
+    res = {}
+    for cls, wd in ((torch.optim.Adam, 0.0), (torch.optim.Adam, 0.01), (torch.optim.AdamW, 0.01)):
+        key = f"{cls.__name__}-{wd}"
+        base, _, _ = train(lambda m: hvd.DistributedOptimizer(cls(m.parameters(), lr=common.LR, weight_decay=wd),
+                                                               named_parameters=m.named_parameters()), 12)
+        zoa, _, _ = train(lambda m: hvd_zoadam.DistributedOptimizer(
+            cls(m.parameters(), lr=common.LR, weight_decay=wd), named_parameters=m.named_parameters(),
+            var_freeze_step=1000, var_update_scaler=10 ** 9), 12)
+        res[key] = {"adam": [p.detach().clone() for p in base.parameters()],
+                    "zoadam": [p.detach().clone() for p in zoa.parameters()]}
+    out["adam_oracle"] = res
+
+
+def scenario_train(out):
+    res = {}
+    for cls, wd in ((torch.optim.Adam, 0.0), (torch.optim.AdamW, 0.05)):
+        model, opt, per_step = train(lambda m: hvd_zoadam.DistributedOptimizer(
+            cls(m.parameters(), lr=common.LR, weight_decay=wd), named_parameters=m.named_parameters(),
+            **common.TRAIN), common.TRAIN_STEPS, record_sync=True)
+        res[f"{cls.__name__}-{wd}"] = {"per_step": per_step, "stats": opt.comm_stats(),
+                                       "final": [p.detach().clone() for p in model.parameters()]}
+    out["train"] = res
+
+
+def main():
+    hvd.init()
+    out = {"rank": hvd.rank(), "size": hvd.size()}
+    for scenario in (scenario_car, scenario_adam_oracle, scenario_train):
+        scenario(out)
+    torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
+
+
+if __name__ == "__main__":
+    main()

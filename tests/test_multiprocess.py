@@ -1,0 +1,129 @@
+"""Real multi-process jobs (horovodrun --gloo, horovodrun --mpi, mpirun) against the in-process oracle."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_ranks, run_job
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+import common  # noqa: E402
+
+from hvd_zoadam import Schedule, StepKind, padded_numel  # noqa: E402
+from hvd_zoadam.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
+
+JOBS = [("gloo", 2), ("gloo", 3), ("mpi", 2), ("mpi", 3), ("hvdmpi", 2), ("single", 1)]
+
+
+@pytest.fixture(scope="module", params=JOBS, ids=[f"{l}-np{n}" for l, n in JOBS])
+def job(request, tmp_path_factory):
+    launcher, np_ = request.param
+    out = tmp_path_factory.mktemp(f"{launcher}{np_}")
+    run_job(launcher, np_, ["tests/mp/worker.py", str(out)])
+    ranks = load_ranks(out, np_)
+    assert [r["rank"] for r in ranks] == list(range(np_)) and all(r["size"] == np_ for r in ranks)
+    return np_, ranks
+
+
+def test_compressed_allreduce_matches_simulation_bitwise(job):
+    p, ranks = job
+    for n in common.CAR_SIZES:
+        we = [torch.zeros(padded_numel(n, p)) for _ in range(p)]
+        se = [torch.zeros(padded_numel(n, p) // p) for _ in range(p)]
+        for call in range(common.CAR_CALLS):
+            want = simulate_compressed_allreduce([common.car_input(n, r, call) for r in range(p)], we, se) \
+                if n else torch.empty(0)
+            for r in range(p):
+                got = ranks[r]["car"][n]["outs"][call]
+                assert got.shape == (n,) and got.dtype == torch.float32
+                assert torch.equal(got, want), (n, call, r)
+        for r in range(p):
+            assert torch.equal(ranks[r]["car"][n]["we"], we[r]), (n, r)
+            assert torch.equal(ranks[r]["car"][n]["se"], se[r]), (n, r)
+
+
+def test_compressed_allreduce_half_inputs_keep_dtype_and_agree(job):
+    p, ranks = job
+    for dtype in (torch.float16, torch.bfloat16):
+        outs = [r["car"][str(dtype)] for r in ranks]
+        assert all(o.dtype == dtype and o.shape == (37,) for o in outs)
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        want = simulate_compressed_allreduce(
+            [common.car_input(37, r, 0, dtype).float() for r in range(p)],
+            [torch.zeros(padded_numel(37, p)) for _ in range(p)],
+            [torch.zeros(padded_numel(37, p) // p) for _ in range(p)])
+        torch.testing.assert_close(outs[0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_non_finite_input_raises_on_every_rank_and_leaves_buffers(job):
+    p, ranks = job
+    for r in ranks:
+        assert r["car"]["nan"] == "raised"
+        assert r["car"]["nan_untouched"] is True
+
+
+def test_all_variance_steps_equal_horovod_adam(job):
+    """Spec §2 oracle: with every step a VARIANCE step, 0/1 Adam is hvd.DistributedOptimizer(Adam)."""
+    p, ranks = job
+    for r in ranks:
+        for key, res in r["adam_oracle"].items():
+            for a, z in zip(res["adam"], res["zoadam"]):
+                torch.testing.assert_close(z, a, rtol=1e-6, atol=1e-7, msg=key)
+    # and the parameters agree across ranks
+    for key in ranks[0]["adam_oracle"]:
+        for r in ranks[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(r["adam_oracle"][key]["zoadam"],
+                                                          ranks[0]["adam_oracle"][key]["zoadam"]))
+
+
+def test_training_matches_simulation_and_syncs_are_bitwise(job):
+    p, ranks = job
+    sched = Schedule(**common.TRAIN)
+    for key in ranks[0]["train"]:
+        cls_name, wd = key.split("-")
+        params0 = [p_.detach().clone() for p_ in common.mlp().parameters()]
+        sim, kinds = simulate_zoadam(params0, common.grads_at, world_size=p, steps=common.TRAIN_STEPS,
+                                     schedule=sched, lr_fn=lambda t: common.LR, weight_decay=float(wd),
+                                     decoupled=cls_name == "AdamW")
+        per_rank = [r["train"][key]["per_step"] for r in ranks]
+        assert [s["kind"] for s in per_rank[0]] == [k.value for k in kinds]
+        syncs = 0
+        for t, kind in enumerate(kinds):
+            if kind in (StepKind.SYNC, StepKind.VARIANCE, StepKind.COMPRESSED):
+                syncs += kind is StepKind.SYNC
+                for r in range(1, p):
+                    assert all(torch.equal(a, b) for a, b in zip(per_rank[r][t]["params"], per_rank[0][t]["params"])), \
+                        (key, t, r)
+                    assert all(torch.equal(a, b) for a, b in zip(per_rank[r][t]["exp_avg"], per_rank[0][t]["exp_avg"])), \
+                        (key, t, r)
+        assert syncs >= 4
+        for r in range(p):
+            for got, want in zip(ranks[r]["train"][key]["final"], sim[r]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=(key, r))
+
+
+def test_comm_stats_count_bytes_by_the_documented_formulas(job):
+    p, ranks = job
+    stats = ranks[0]["train"]["Adam-0.0"]["stats"]
+    n = sum(q.numel() for q in common.mlp().parameters())
+    assert stats["world_size"] == p
+    assert stats["variance"]["steps"] + stats["compressed"]["steps"] + stats["local"]["steps"] \
+        + stats["sync"]["steps"] == common.TRAIN_STEPS
+    assert stats["local"]["rounds"] == 0 and stats["local"]["bytes_sent"] == 0
+    if p == 1:
+        assert stats["bytes_sent_total"] == 0 and stats["rounds_total"] == 0
+        assert stats["adam_equivalent_bytes"] == 0
+        return
+    big_n = padded_numel(n, p)
+    nseg = 4
+    per_exchange = 4 * nseg * (p - 1) + (p - 1) / p * big_n / 8 + (p - 1) * (4 * nseg + big_n // p // 8)
+    assert abs(stats["variance"]["bytes_sent"] - stats["variance"]["steps"] * 2 * (p - 1) / p * 4 * n) <= 1
+    assert stats["variance"]["rounds"] == stats["variance"]["steps"]
+    assert stats["compressed"]["rounds"] == 3 * stats["compressed"]["steps"]
+    assert abs(stats["compressed"]["bytes_sent"] - stats["compressed"]["steps"] * per_exchange) <= 1
+    assert abs(stats["sync"]["bytes_sent"] - stats["sync"]["steps"] * per_exchange) <= 1
+    assert abs(stats["adam_equivalent_bytes"] - common.TRAIN_STEPS * 2 * (p - 1) / p * 4 * n) <= 1
+    assert stats["bytes_sent_total"] < stats["adam_equivalent_bytes"] / 3
