@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kinds
+from . import kinds, native
 from .layout import make_buckets
 from .protocol import Exchange
 from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind
@@ -48,6 +48,7 @@ def make_transport(transport, process_set=None) -> Transport:
     if not process_set.included():
         raise ValueError(f"this rank ({hvd.rank()}) is not in the process_set {process_set}; build the "
                          "optimizer only on the ranks of the process set it trains with")
+    native.configure_threads(hvd.local_size())
     return HorovodTransport(process_set)
 
 

@@ -46,7 +46,8 @@ class Schedule:
             after every kappa-th variance step; t in T_v iff t <= T_f and t mod I == 0.
         local_step_scaler: alpha (steps, >= 1). With the ``"steps"`` policy the local-step
             interval H doubles after every alpha steps past the freeze.
-        local_step_clipper: H_max (steps, >= 1), the cap on H.
+        local_step_clipper: H_max (steps, a power of 2), the cap on H. H takes the values
+            1, 2, 4, ... H_max, so windows between syncs never exceed H_max.
         local_step_policy: ``"steps"`` (DeepSpeed's rule), ``"lr"`` (H doubles each time
             the learning rate has halved relative to its value at the freeze; paper §4)
             or ``"constant"`` (H = H_max).
@@ -64,6 +65,11 @@ class Schedule:
     def __post_init__(self):
         for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             object.__setattr__(self, name, check_positive_int(getattr(self, name), name))
+        h_max = self.local_step_clipper
+        if h_max & (h_max - 1):
+            raise ValueError(f"local_step_clipper must be a power of 2 (1, 2, 4, 8, 16, ...), got {h_max}: "
+                             "sync steps fall on multiples of H counted from the freeze, and only powers of 2 "
+                             "keep every window within local_step_clipper steps")
         if self.local_step_policy not in LOCAL_STEP_POLICIES:
             raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, "
                              f"got {self.local_step_policy!r}")
