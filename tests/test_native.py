@@ -1,0 +1,148 @@
+"""The Numba CPU kernels against the torch reference and hand-computed bit layouts (spec §3)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hvd_zoadam import native
+from hvd_zoadam.layout import padded_numel, segment_offsets
+from hvd_zoadam.native import reference
+
+
+def test_bits_are_msb_first_and_both_zeros_are_plus_one():
+    z = torch.tensor([1.0, -1.0, 0.0, -0.0, -2.0, -3.0, -1e-30, 5.0,   # 1 0 1 1 0 0 0 1
+                      -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 1e-45])  # 0 ... 0 1
+    assert reference.pack_signs(z).tolist() == [0b10110001, 0b00000001]
+    assert np.array_equal(reference.pack_signs(z).numpy(), np.packbits(z.numpy() >= 0))
+    assert torch.equal(reference.unpack_signs(reference.pack_signs(z)),
+                       torch.tensor([1, -1, 1, 1, -1, -1, -1, 1, -1, -1, -1, -1, -1, -1, -1, 1.0]))
+
+
+def test_worker_side_on_a_hand_example():
+    # one segment of 6 real elements, padded to 8 for P = 1
+    y = torch.tensor([3.0, -1.0, 0.0, -0.0, 1.0, -1.0, 0.0, 0.0])
+    e = torch.zeros(8)
+    plan = native.Plan([0, 6], 8, 1, 0)
+    scales = native.worker_scales(y, e, plan, torch.zeros(1))
+    assert scales.item() == pytest.approx(np.sqrt(12 / 6))
+    packed = native.worker_pack(y, e, plan, scales, torch.zeros(1, dtype=torch.uint8))
+    assert packed.tolist() == [0b10111011]  # padding packs as +1
+    s = scales.item()
+    assert torch.allclose(e, torch.tensor([3 - s, -1 + s, -s, -s, 1 - s, -1 + s, 0, 0]))
+    assert e[6:].eq(0).all()  # padding error stays 0
+
+
+layouts = st.lists(st.integers(1, 700), min_size=1, max_size=5)
+specials = st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1e-30, 1.0])
+
+
+@st.composite
+def cases(draw):
+    numels = draw(layouts)
+    p = draw(st.integers(1, 8))
+    n = sum(numels)
+    big = padded_numel(n, p)
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.zeros(big)
+    y[:n] = torch.randn(n, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
+    for idx, val in draw(st.lists(st.tuples(st.integers(0, n - 1), specials), max_size=6)):
+        y[idx] = val
+    e = torch.zeros(big)
+    e[:n] = torch.randn(n, generator=gen) * 0.1
+    return numels, p, y, e, gen
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=cases())
+def test_worker_kernels_match_the_reference(case):
+    numels, p, y, e, _ = case
+    offsets = segment_offsets(numels)
+    plan = native.Plan(offsets, y.numel(), p, 0)
+    want_scales = reference.worker_scales(y, e, offsets)
+    got_scales = native.worker_scales(y, e, plan, torch.zeros(len(numels)))
+    torch.testing.assert_close(got_scales, want_scales, rtol=1e-6, atol=0)
+    e_ref = e.clone()
+    want_packed = reference.worker_pack(y, e_ref, offsets, want_scales)
+    got_packed = native.worker_pack(y, e, plan, want_scales, torch.zeros(y.numel() // 8, dtype=torch.uint8))
+    assert torch.equal(got_packed, want_packed)
+    assert torch.equal(e, e_ref)  # bitwise, given the same scales
+    assert torch.isfinite(e).all()
+    assert e[sum(numels):].eq(0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases(), rank_seed=st.integers(0, 7))
+def test_server_kernels_match_the_reference(case, rank_seed):
+    numels, p, y, _, gen = case
+    offsets = segment_offsets(numels)
+    big = y.numel()
+    chunk = big // p
+    rank = rank_seed % p
+    recv = torch.randint(0, 256, (p, chunk // 8), generator=gen, dtype=torch.uint8)
+    wscales = torch.rand(p, len(numels), generator=gen)
+    se = torch.zeros(chunk)
+    real = max(0, min(chunk, sum(numels) - rank * chunk))
+    se[:real] = torch.randn(real, generator=gen) * 0.1
+    se_ref = se.clone()
+    plan = native.Plan(offsets, big, p, rank)
+    want_packed, want_scales = reference.server_reduce(recv, wscales, se_ref, offsets, rank * chunk)
+    got_packed, got_scales = native.server_reduce(recv, wscales, se, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
+                                                  torch.zeros(len(numels)))
+    torch.testing.assert_close(got_scales, want_scales, rtol=1e-6, atol=0)
+    assert torch.equal(got_packed, want_packed)
+    if torch.equal(got_scales, want_scales):
+        assert torch.equal(se, se_ref)
+    else:  # the float64 sums differ in order only
+        torch.testing.assert_close(se, se_ref, rtol=1e-5, atol=1e-6)
+    assert se[real:].eq(0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_decompress_matches_the_reference(case):
+    numels, p, y, _, gen = case
+    offsets = segment_offsets(numels)
+    packed = torch.randint(0, 256, (y.numel() // 8,), generator=gen, dtype=torch.uint8)
+    sscales = torch.rand(p, len(numels), generator=gen)
+    n = sum(numels)
+    want = reference.decompress(packed, sscales, offsets, n)
+    got = native.decompress(packed, sscales, native.Plan(offsets, y.numel(), p, 0), torch.empty(n))
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_worker_and_server_identities(case):
+    """s_w·σ + new e_w = y + old e_w, and s_s·σ_s + new e_s = c, per element (to float32 rounding)."""
+    numels, p, y, e, gen = case
+    offsets = segment_offsets(numels)
+    plan = native.Plan(offsets, y.numel(), p, 0)
+    z = (y + e).double()
+    scales = native.worker_scales(y, e, plan, torch.zeros(len(numels)))
+    packed = native.worker_pack(y, e, plan, scales, torch.zeros(y.numel() // 8, dtype=torch.uint8))
+    recon = reference._expand(scales, offsets, 0, y.numel()).double() * reference.unpack_signs(packed).double()
+    lhs = recon + e.double()
+    # e_new = fl(z - s·σ): one float32 rounding, relative to the larger of |z| and s
+    assert ((lhs - z).abs() <= 2 ** -24 * torch.maximum(z.abs(), recon.abs()) + 1e-45).all()
+    assert (torch.sign(recon) * torch.where(z >= 0, 1.0, -1.0).double()).ge(0).all()
+
+
+def test_kernels_do_not_depend_on_the_thread_count():
+    import numba
+    gen = torch.Generator().manual_seed(5)
+    n = 300_000
+    y = torch.randn(padded_numel(n, 2), generator=gen)
+    y[n:] = 0
+    outs = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        e = torch.zeros_like(y)
+        plan = native.Plan([0, 100_000, n], y.numel(), 2, 0)
+        s = native.worker_scales(y, e, plan, torch.zeros(2))
+        pk = native.worker_pack(y, e, plan, s, torch.zeros(y.numel() // 8, dtype=torch.uint8))
+        outs.append((s, pk, e))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
