@@ -24,7 +24,7 @@ from .transport import TRANSPORTS, HorovodTransport, Transport
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 _KIND_NAMES = [k.value for k in StepKind]
 _instance_ids = itertools.count()
-_registered = weakref.WeakKeyDictionary()  # param -> weakref to the optimizer that owns it
+_registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
 
 
 def make_transport(transport, process_set=None) -> Transport:
@@ -195,8 +195,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         group.setdefault("decay_product", 1.0)
         trainable = [p for p in group["params"] if p.requires_grad]
         for p in trainable:
-            owner = _registered.get(p)
-            if owner is not None and owner() is not None and owner() is not self:
+            param_ref, owner = _registered.get(id(p), (lambda: None, lambda: None))
+            if param_ref() is p and owner() is not None and owner() is not self:
                 raise ValueError(f"parameter {self._names.get(p, id(p))!r} is already optimized by another "
                                  "hvd_zoadam optimizer; give each parameter to one optimizer only")
             if p.is_sparse:
@@ -215,7 +215,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
                 self._add_bucket(index, [params[i] for i in idx])
         for p in trainable:
-            _registered[p] = weakref.ref(self)
+            _registered[id(p)] = (weakref.ref(p), weakref.ref(self))
             if p not in self._passes:
                 self._passes[p] = 0
                 if hasattr(p, "register_post_accumulate_grad_hook"):

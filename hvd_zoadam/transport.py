@@ -143,24 +143,25 @@ class ThreadTransport(Transport):
         self.group = group
 
     def _exchange(self, value):
+        """Every rank's ``value`` in rank order; tensors are copied before anyone moves on."""
         g = self.group
         g.barrier.wait()
-        g.slots[self.rank] = value
+        g.slots[self.rank] = value.clone() if isinstance(value, torch.Tensor) else value
         g.barrier.wait()
         out = list(g.slots)
         g.barrier.wait()
         return out
 
     def _allgather(self, tensor, name):
-        return torch.cat([t.clone() for t in self._exchange(tensor)])
+        return torch.cat(self._exchange(tensor))
 
     def _alltoall(self, tensor, name):
         parts = self._exchange(tensor)
         n = tensor.numel() // self.world_size
-        return torch.cat([p[self.rank * n:(self.rank + 1) * n].clone() for p in parts])
+        return torch.cat([p[self.rank * n:(self.rank + 1) * n] for p in parts])
 
     def _allreduce_average_(self, tensor, name):
-        parts = self._exchange(tensor.clone())
+        parts = self._exchange(tensor)
         total = parts[0].clone()
         for p in parts[1:]:
             total += p

@@ -1,6 +1,8 @@
 """Deterministic models, data and inputs shared by the multi-process workers and the pytest side."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 CAR_SIZES = [0, 1, 2, 19, 22, 72, 1000, 4099]
@@ -12,9 +14,13 @@ def car_input(n: int, rank: int, call: int, dtype=torch.float32) -> torch.Tensor
     return (torch.randn(n, generator=gen) * (1 + rank)).to(dtype)
 
 
+_INIT_LOCK = threading.Lock()  # thread-ranks share torch's global RNG
+
+
 def mlp(seed: int = 1234) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
 def batch(step: int, rank: int):

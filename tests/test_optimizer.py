@@ -1,0 +1,429 @@
+"""The optimizer shell over thread-ranks: the oracle, Horovod's contract, bad input (BH-07/08/09/13/16/20/23/27)."""
+from __future__ import annotations
+
+import io
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+import hvd_zoadam
+from hvd_zoadam import Schedule, StepKind
+from hvd_zoadam.simulate import simulate_zoadam
+from hvd_zoadam.transport import ThreadGroup
+from helpers import run_threads
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+import common  # noqa: E402
+
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+
+
+def make(model, transport, cls=torch.optim.Adam, lr=common.LR, wd=0.0, **kw):
+    opts = {**KNOBS, **kw}
+    return hvd_zoadam.DistributedOptimizer(cls(model.parameters(), lr=lr, weight_decay=wd),
+                                           named_parameters=model.named_parameters(), transport=transport, **opts)
+
+
+def solo():
+    return ThreadGroup(1).transports()[0]
+
+
+def train_threads(p, steps, cls=torch.optim.Adam, wd=0.0, lr_fn=None, record=False, **kw):
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport, cls, wd=wd, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_fn(i + 1) / common.LR) if lr_fn else None
+        trace = []
+        for t in range(1, steps + 1):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            kind = opt._next_kind()[1]
+            opt.step()
+            if sched:
+                sched.step()
+            if record:
+                trace.append((kind, [q.detach().clone() for q in model.parameters()]))
+        return [q.detach().clone() for q in model.parameters()], opt, trace
+    return run_threads(p, body)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("cls, wd", [(torch.optim.Adam, 0.0), (torch.optim.Adam, 0.05), (torch.optim.AdamW, 0.05)])
+def test_equals_the_simulation_bitwise(p, cls, wd):
+    steps = 26
+    got = train_threads(p, steps, cls, wd)
+    params0 = [q.detach().clone() for q in common.mlp().parameters()]
+    want, kinds = simulate_zoadam(params0, common.grads_at, world_size=p, steps=steps, schedule=Schedule(**KNOBS),
+                                  lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW)
+    assert {k for k in kinds} == set(StepKind)
+    for r in range(p):
+        for a, b in zip(got[r][0], want[r]):
+            assert torch.equal(a, b), (r, (a - b).abs().max())
+
+
+def test_p1_compressed_steps_use_the_raw_gradient_and_send_nothing():
+    """Spec §7 #2: with P = 1 COMPRESSED steps update m with g itself (DeepSpeed skipped it)."""
+    (params, opt, trace), = train_threads(1, 6, record=True, var_freeze_step=100, var_update_scaler=2)
+    assert [k for k, _ in trace] == [StepKind.VARIANCE, StepKind.VARIANCE, StepKind.COMPRESSED,
+                                     StepKind.VARIANCE, StepKind.COMPRESSED, StepKind.VARIANCE]
+    # reference: m from every step's raw gradient, v only from VARIANCE steps
+    model = common.mlp()
+    x = [q.detach().clone() for q in model.parameters()]
+    m = [torch.zeros_like(q) for q in x]
+    v = [torch.zeros_like(q) for q in x]
+    k = 0
+    for t, (kind, _) in enumerate(trace, 1):
+        g = common.grads_at(t, 0, x)
+        k += kind is StepKind.VARIANCE
+        for i in range(len(x)):
+            m[i].lerp_(g[i], 0.1)
+            if kind is StepKind.VARIANCE:
+                v[i].mul_(0.999).addcmul_(g[i], g[i], value=0.001)
+            denom = (v[i].sqrt() / math.sqrt(1 - 0.999 ** k)).add_(1e-8)
+            x[i].addcdiv_(m[i], denom, value=-common.LR / (1 - 0.9 ** t))
+    for a, b in zip(params, x):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    stats = opt.comm_stats()
+    assert stats["bytes_sent_total"] == 0 and stats["rounds_total"] == 0 and stats["compressed"]["steps"] == 2
+
+
+def test_lr_schedule_down_to_zero_gives_no_nan_and_zero_lr_steps_do_not_move():
+    """BH-27: lr read from param_groups each step; lr = 0 windows neither divide by 0 nor move x."""
+    steps = 40
+
+    def lr_fn(t):
+        if t <= 5:
+            return common.LR * t / 5
+        if t > 36:
+            return 0.0
+        return common.LR * 0.5 * (1 + math.cos(math.pi * (t - 5) / 31))
+    res = train_threads(2, steps, lr_fn=lr_fn, record=True, var_freeze_step=5, local_step_scaler=2,
+                        local_step_clipper=4)
+    for r in range(2):
+        trace = res[r][2]
+        assert all(torch.isfinite(q).all() for _, ps in trace for q in ps)
+        for t in range(37, steps):  # steps 38.. have lr 0 (the scheduler sets lr for step t+1 after step t)
+            assert all(torch.equal(a, b) for a, b in zip(trace[t][1], trace[t - 1][1])), t
+        assert all(torch.isfinite(res[r][1].state[q]["exp_avg"]).all() for q in res[r][1].state)
+    for (ka, pa), (kb, pb) in zip(res[0][2], res[1][2]):
+        assert ka == kb
+        if ka is StepKind.SYNC:
+            assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def test_param_groups_with_different_lr_move_in_proportion():
+    """BH-13: unnamed params in two groups get distinct names and own buffers; all-ones grads compress
+    losslessly, so group 2 (lr 1e-4) moves exactly 0.1x group 1 (lr 1e-3) in every phase."""
+    def body(rank, transport):
+        # zeros, so that float32 spacing (|x| <= 1e-2 here) does not blur the 1e-4 steps
+        w1, b1, w2, b2 = (torch.nn.Parameter(torch.zeros(*s)) for s in [(4, 3), (4,), (2, 4), (2,)])
+        inner = torch.optim.Adam([{"params": [w1, b1], "lr": 1e-3}, {"params": [w2, b2], "lr": 1e-4}])
+        opt = hvd_zoadam.DistributedOptimizer(inner, transport=transport, var_freeze_step=3, var_update_scaler=2,
+                                              local_step_scaler=2, local_step_clipper=2)
+        names = sorted(opt._names.values())
+        sizes = [b.exchange.worker_error.numel() for b in opt._buckets]
+        start = [t.detach().clone() for t in (w1, b1, w2, b2)]
+        ratios = []
+        for _ in range(10):
+            before = [t.detach().clone() for t in (w1, b1, w2, b2)]
+            for t in (w1, b1, w2, b2):
+                t.grad = torch.ones_like(t)
+            opt.step()
+            d = [(t.detach() - b) for t, b in zip((w1, b1, w2, b2), before)]
+            ratios.append((d[2] / d[0][:2, :2].mean(), d[3] / d[1][:2]))
+        return names, sizes, ratios, [t.detach().clone() for t in (w1, b1, w2, b2)], start
+    res = run_threads(2, body)
+    names, sizes, ratios, final, start = res[0]
+    assert names == ["noname.0.0", "noname.0.1", "noname.1.0", "noname.1.1"]
+    assert sizes == [hvd_zoadam.padded_numel(16, 2), hvd_zoadam.padded_numel(10, 2)]
+    for rw, rb in ratios:
+        torch.testing.assert_close(rw, torch.full_like(rw, 0.1), rtol=1e-4, atol=0)
+        torch.testing.assert_close(rb, torch.full_like(rb, 0.1), rtol=1e-4, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(final, res[1][3]))
+
+
+def test_zero_element_and_tiny_parameters_work_with_three_ranks():
+    """BH-20: (0,), (0,5), a scalar, a 2-element tensor and a Linear(3,3) at P = 3."""
+    def body(rank, transport):
+        with common._INIT_LOCK:
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(0, 5)),
+                  torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.randn(2))]
+            lin = torch.nn.Linear(3, 3)
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(ps + list(lin.parameters()), lr=1e-2),
+                                              transport=transport, var_freeze_step=2, var_update_scaler=1,
+                                              local_step_scaler=1, local_step_clipper=2)
+        for t in range(6):
+            opt.zero_grad()
+            gen = torch.Generator().manual_seed(t * 10 + rank)
+            loss = (ps[2] * 3 + ps[3].sum() + lin(torch.randn(4, 3, generator=gen)).pow(2).sum()
+                    + ps[0].sum() + ps[1].sum())
+            loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in ps], opt.comm_stats()["rounds_total"]
+    res = run_threads(3, body)
+    for r in range(3):
+        assert res[r][0][0].shape == (0,) and res[r][0][1].shape == (0, 5)
+        assert torch.equal(res[r][0][2], res[0][0][2]) and torch.equal(res[r][0][3], res[0][0][3])
+        assert res[r][0][2] != 0.5
+
+
+def test_frozen_parameters_get_no_state_and_stay_put():
+    """BH-08/09: requires_grad=False params hold no buffers; an all-frozen model is refused."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    for q in model[0].parameters():
+        q.requires_grad_(False)
+    frozen = [q.clone() for q in model[0].parameters()]
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=solo(),
+                                          var_freeze_step=3)
+    assert all(q not in opt.state for q in model[0].parameters())
+    assert sum(b.numel for b in opt._buckets) == 18
+    for t in range(6):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
+    with pytest.raises(ValueError, match="nothing to optimize"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model[0].parameters()), transport=solo())
+
+
+def test_state_dict_round_trip_resumes_exactly_and_keeps_the_schedule():
+    def run(steps, model, opt, start=1):
+        for t in range(start, start + steps):
+            opt.zero_grad()
+            common.loss_fn(model, t, 0).backward()
+            opt.step()
+    model_a = common.mlp()
+    opt_a = make(model_a, solo())
+    run(20, model_a, opt_a)
+
+    model_b = common.mlp()
+    opt_b = make(model_b, solo())
+    run(9, model_b, opt_b)  # mid-window, past the freeze
+    buf = io.BytesIO()
+    torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    assert not any(isinstance(v, (hvd_zoadam.transport.Transport,)) for v in ckpt["opt"]["param_groups"][0].values())
+    model_c = common.mlp()
+    opt_c = make(model_c, solo())
+    model_c.load_state_dict(ckpt["model"])
+    opt_c.load_state_dict(ckpt["opt"])
+    assert opt_c.schedule_state() == opt_b.schedule_state()
+    assert opt_c._next_kind() == opt_b._next_kind()
+    run(11, model_c, opt_c, start=10)
+    for a, b in zip(model_a.parameters(), model_c.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_synchronize_then_clip_then_step_uses_the_clipped_gradient():
+    """Horovod's clipping pattern; synchronize() is idempotent and a second step() warns."""
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport, var_freeze_step=100)
+        common.loss_fn(model, 1, rank).backward()
+        opt.synchronize()
+        opt.synchronize()  # no second exchange
+        avg = [q.grad.clone() for q in model.parameters()]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        clipped = [q.grad.clone() for q in model.parameters()]
+        before = [q.detach().clone() for q in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()
+        moved = [q.detach() - b for q, b in zip(model.parameters(), before)]
+        common.loss_fn(model, 2, rank).backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            opt.step()
+        return avg, clipped, moved, [str(x.message) for x in w], opt.comm_stats()["variance"]["rounds"]
+    res = run_threads(2, body)
+    for avg, clipped, moved, warns, rounds in res:
+        assert all(torch.equal(a, b) for a, b in zip(avg, res[0][0]))  # the averaged gradient
+        assert rounds == 2
+        assert any("skip_synchronize" in w for w in warns)
+        # first Adam step: x moves by -lr·ĝ/(|ĝ| + eps), with ĝ the clipped average
+        for mv, g, a in zip(moved, clipped, avg):
+            torch.testing.assert_close(mv, -common.LR * g / (g.abs() + 1e-8), rtol=1e-4, atol=1e-9)
+        assert any(not torch.allclose(mv, -common.LR * a / (a.abs() + 1e-8), rtol=1e-4, atol=1e-9)
+                   for mv, a in zip(moved, avg))
+
+
+def test_backward_passes_per_step_counts_and_zero_grad_resets():
+    """BH-16 and Horovod's accumulation error text."""
+    model = common.mlp()
+    opt = make(model, solo(), backward_passes_per_step=2)
+    for t in range(2):
+        common.loss_fn(model, t, 0).backward()
+    with pytest.raises(AssertionError, match="Gradients were computed more than backward_passes_per_step"):
+        common.loss_fn(model, 3, 0).backward()
+    opt.zero_grad()  # a partial/aborted window is cleared
+    for t in range(2):
+        common.loss_fn(model, t, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    common.loss_fn(model, 5, 0).backward()
+    opt.step()  # a partial window of 1 pass steps fine
+    assert opt.schedule_state()["step"] == 2
+
+
+def test_add_param_group_after_training_keeps_existing_state():
+    """BH-23 (a): new params get zero buffers of their own padded size; old state is untouched."""
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport)
+        for t in range(1, 8):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            opt.step()
+        snap = {k: v.clone() for b in opt._buckets for k, v in
+                (("m", b.exp_avg), ("v", b.exp_avg_sq), ("we", b.exchange.worker_error))}
+        with common._INIT_LOCK:
+            torch.manual_seed(7)  # the new layer starts alike on every rank, as after a broadcast
+            extra = torch.nn.Linear(3, 3)
+        opt.add_param_group({"params": list(extra.parameters())})
+        new = opt._buckets[-1]
+        same = all(torch.equal(snap[k], v) for b in opt._buckets[:-1] for k, v in
+                   (("m", b.exp_avg), ("v", b.exp_avg_sq), ("we", b.exchange.worker_error)))
+        for t in range(8, 12):
+            opt.zero_grad()
+            (common.loss_fn(model, t, rank) + extra(torch.ones(3)).sum()).backward()
+            opt.step()
+        return same, new.names, new.exchange.worker_error.numel(), [q.detach().clone() for q in extra.parameters()]
+    res = run_threads(2, body)
+    for same, names, size, extra in res:
+        assert same and names == ["noname.1.0", "noname.1.1"] and size == hvd_zoadam.padded_numel(12, 2)
+    # step 11 is a SYNC step for these knobs: the new params agree across ranks
+    assert all(torch.equal(a, b) for a, b in zip(res[0][3], res[1][3]))
+
+
+def test_memory_report_matches_the_documented_formula_and_does_not_grow():
+    """BH-06: (4 + 1/P)·n floats plus < 8P padding per bucket, plus a bounded scratch."""
+    p = 2
+
+    def body(rank, transport):
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.randn(1000, 1000) * 0.01)
+        model.b = torch.nn.Parameter(torch.zeros(1000))
+        model.v = torch.nn.Parameter(torch.zeros(3))
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=transport,
+                                              var_freeze_step=3, local_step_clipper=4)
+        seen = []
+        for t in range(1, 21):
+            opt.zero_grad()
+            gen = torch.Generator().manual_seed(t + 100 * rank)
+            (model.w.sum() * torch.randn(1, generator=gen) + model.b.sum() + model.v.sum()).backward()
+            opt.step()
+            if t in (6, 20):
+                held = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                           if v.untyped_storage().data_ptr() not in ())
+                seen.append((opt.memory_bytes(), held))
+        return seen
+    n = 1_001_003
+    for seen in run_threads(p, body):
+        (m6, held6), (m20, held20) = seen
+        assert m6 == m20
+        big = hvd_zoadam.padded_numel(n, p)
+        assert m6["state"] == 3 * 4 * n and held6 == 3 * 4 * n
+        assert m6["error_buffers"] == 4 * (big + big // p) and big - n < 8 * p
+        assert m6["state"] + m6["error_buffers"] <= (4 + 1 / p) * 4 * n + 4 * 8 * p * 2
+        assert m6["scratch"] <= 3 * 4 * big + big // 8 + big // (8 * p) + 64
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(op="adasum"), ValueError, "Adasum"),
+    (dict(groups=2), ValueError, "groups"),
+    (dict(backward_passes_per_step=0), ValueError, "backward_passes_per_step must be > 0"),
+    (dict(gradient_predivide_factor=0.0), ValueError, "gradient_predivide_factor"),
+    (dict(var_freeze_step=0), ValueError, "var_freeze_step"),
+    (dict(local_step_clipper=2.5), TypeError, "local_step_clipper"),
+    (dict(local_step_policy="cosine"), ValueError, "local_step_policy"),
+    (dict(transport="nccl"), ValueError, "transport"),
+    (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    (dict(compression="topk"), ValueError, "compression"),
+])
+def test_bad_arguments_are_rejected_at_construction(kwargs, exc, match):
+    if kwargs.get("op") == "adasum":
+        kwargs["op"] = hvd.Adasum
+    model = common.mlp()
+    with pytest.raises(exc, match=match):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), **kwargs)
+
+
+def test_unsupported_optimizers_and_options_name_what_is_supported():
+    model = common.mlp()
+    with pytest.raises(TypeError, match="torch.optim.Adam.*AdamW"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), amsgrad=True), transport=solo())
+    with pytest.raises(ValueError, match="maximize"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), maximize=True), transport=solo())
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=solo())
+    with pytest.raises(TypeError, match="already an hvd_zoadam optimizer"):
+        hvd_zoadam.DistributedOptimizer(opt)
+    # what hvd.DistributedOptimizer returns: a dynamic subclass of the optimizer living in Horovod's module
+    horovod_cls = type("Adam", (torch.optim.Adam,), {"__module__": "horovod.torch.optimizer"})
+    horovod_wrapped = horovod_cls(common.mlp().parameters())
+    with pytest.raises(TypeError, match="already wrapped by hvd.DistributedOptimizer"):
+        hvd_zoadam.DistributedOptimizer(horovod_wrapped)
+    with pytest.raises(ValueError, match="already optimized by another"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=solo())
+
+
+def test_named_parameters_checks_follow_horovod():
+    model = common.mlp()
+    with pytest.raises(ValueError, match="should be a sequence of tuples"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=[1, 2],
+                                        transport=solo())
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="must be unique. Found duplicates: a"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                        named_parameters=[("a", q) for _, q in named], transport=solo())
+    with pytest.raises(ValueError, match="were not named"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=named[:2],
+                                        transport=solo())
+
+
+def test_sparse_gradients_are_refused_or_densified_on_request():
+    """BH-07 (3)."""
+    for dense in (False, True):
+        emb = torch.nn.Embedding(20, 4, sparse=True)
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(emb.parameters()), sparse_as_dense=dense,
+                                              transport=solo())
+        emb(torch.tensor([1, 2])).sum().backward()
+        if dense:
+            opt.step()
+            assert emb.weight.grad is not None
+        else:
+            with pytest.raises(ValueError, match="sparse_as_dense=True"):
+                opt.step()
+
+
+def test_fp16_compression_applies_to_variance_steps_and_predivide_is_honoured():
+    """BH-07 (1) and (6): supported, with the documented meaning."""
+    base = train_threads(2, 10)
+    fp16 = train_threads(2, 10, compression=hvd.Compression.fp16)
+    pre = train_threads(2, 10, gradient_predivide_factor=2.0)
+    for r in range(2):
+        for a, b, c in zip(base[r][0], fp16[r][0], pre[r][0]):
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)
+            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+    assert fp16[0][1].comm_stats()["variance"]["bytes_sent"] * 2 == \
+        pytest.approx(base[0][1].comm_stats()["variance"]["bytes_sent"], abs=4)
+
+
+def test_layout_mismatch_raises_on_every_rank_naming_both_values():
+    """BH-21: a per-rank config typo fails fast at the first step instead of hanging."""
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport, var_freeze_step=3 if rank == 0 else 5)
+        common.loss_fn(model, 1, rank).backward()
+        with pytest.raises(ValueError, match=r"schedule.var_freeze_step: this rank \(\d\) has [35], rank \d has [35]"):
+            opt.step()
+        return True
+    assert run_threads(2, body) == [True, True]
