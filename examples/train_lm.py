@@ -25,6 +25,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 
 import horovod.torch as hvd
@@ -33,6 +34,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_zoadam
+
+
+class _Lines:
+    """A file wrapper that turns tqdm's carriage-return redraws into whole lines."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self):
+        self.stream.flush()
 
 
 def load_corpus() -> str:
@@ -172,7 +188,10 @@ def main(argv=None):
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, desc=f"{args.optimizer} P={world}", unit="step")
+        tty = sys.stderr.isatty()
+        # horovodrun forwards the ranks' output line by line: give it lines, not carriage returns
+        bar = tqdm(total=args.steps, desc=f"{args.optimizer} P={world}", unit="step",
+                   file=sys.stderr if tty else _Lines(sys.stderr), mininterval=0.1 if tty else 15, ascii=not tty)
     train_curve, val_curve, kinds = [], [], []
     log = open(args.log, "a") if (args.log and rank == 0) else None
     start = time.perf_counter()

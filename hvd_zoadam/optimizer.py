@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import math
 import warnings
 import weakref
@@ -23,7 +22,7 @@ from .transport import TRANSPORTS, HorovodTransport, Transport
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 _KIND_NAMES = [k.value for k in StepKind]
-_instance_ids = itertools.count()
+_prefix_counts: dict = {}  # layout digest -> optimizers built over it in this process
 _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
 
 
@@ -144,8 +143,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.bias_correction = bias_correction
         self.bucket_cap_numel = bucket_cap_numel
-        self._uid = next(_instance_ids)
         self._names = self._name_parameters(named_parameters)
+        self._uid = self._collective_prefix()
         self._buckets: list[_Bucket] = []
         self._scratch = {}
         self._hook_handles = []
@@ -188,6 +187,18 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             raise ValueError("named_parameters was specified, but one or more model parameters were "
                              "not named. Python object ids: " + ", ".join(map(str, missing)))
         return names
+
+    def _collective_prefix(self) -> str:
+        """A rank-independent name for this optimizer's collectives: a digest of its parameter
+        layout (names, shapes, dtypes, groups) plus how many optimizers over the same layout this
+        process built before. A per-process instance counter would pair different optimizers
+        across ranks that built, say, an extra optimizer for evaluation."""
+        layout = [(i, self._names[p], tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups)
+                  for p in g["params"] if p.requires_grad]
+        digest = hashlib.sha1(repr((layout, self.transport.world_size)).encode()).hexdigest()[:10]
+        count = _prefix_counts.get(digest, 0)
+        _prefix_counts[digest] = count + 1
+        return f"{digest}.{count}"
 
     def _build_group(self, index: int) -> None:
         group = self.param_groups[index]

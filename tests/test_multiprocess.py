@@ -127,3 +127,20 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
     assert abs(stats["sync"]["bytes_sent"] - stats["sync"]["steps"] * per_exchange) <= 1
     assert abs(stats["adam_equivalent_bytes"] - common.TRAIN_STEPS * 2 * (p - 1) / p * 4 * n) <= 1
     assert stats["bytes_sent_total"] < stats["adam_equivalent_bytes"] / 3
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_path):
+    """BH-05: {0,1} and {2,3} each train their own Linear(8,4); finishes well within the timeout."""
+    proc = run_job(launcher, 4, ["tests/mp/worker_ps.py", str(tmp_path)], timeout_s=120)
+    ranks = load_ranks(tmp_path, 4)
+    assert ranks[0]["kinds"][-1] == "sync"
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))  # noqa: E731
+    assert same(ranks[0], ranks[1]) and same(ranks[2], ranks[3])
+    assert not same(ranks[0], ranks[2])
+    for r in ranks:
+        assert r["stats"]["world_size"] == 2
+    # per-set traffic equals a 2-rank job's: no collective spans the sets
+    n = 8 * 4 + 4
+    assert ranks[0]["stats"]["variance"]["bytes_sent"] == round(ranks[0]["stats"]["variance"]["steps"] * 4 * n)
+    assert proc.returncode == 0
