@@ -604,6 +604,37 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def rank_state_dict(self) -> dict:
+        """This rank's own state, which ``state_dict()`` leaves out: the error buffers.
+
+        Returns a dict with ``world_size``, ``rank``, ``layout`` (the collective prefix, a
+        digest of the parameter layout) and per bucket float32 ``worker_error`` and
+        ``server_error``. See :mod:`hvd_zoadam.checkpoint` for files.
+        """
+        return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
+                "layout": self._uid.split(".")[0],
+                "buckets": [{"worker_error": b.exchange.worker_error.clone(),
+                             "server_error": b.exchange.server_error.clone()} for b in self._buckets]}
+
+    def load_rank_state_dict(self, rank_state: dict | None) -> bool:
+        """Restore :meth:`rank_state_dict`. Returns True when the buffers were restored.
+
+        When ``rank_state`` is None or comes from another world size, rank or layout, the
+        error buffers are zeroed instead (their sizes and chunks depend on the world size):
+        error feedback restarts, everything else resumes as loaded.
+        """
+        usable = (rank_state is not None and rank_state.get("world_size") == self.world_size
+                  and rank_state.get("rank") == self.transport.rank
+                  and rank_state.get("layout") == self._uid.split(".")[0]
+                  and len(rank_state.get("buckets", ())) == len(self._buckets))
+        for i, b in enumerate(self._buckets):
+            if usable:
+                b.exchange.worker_error.copy_(rank_state["buckets"][i]["worker_error"])
+                b.exchange.server_error.copy_(rank_state["buckets"][i]["server_error"])
+            else:
+                b.exchange.zero_errors()
+        return usable
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
         buffers in float32 (no cast through a low-precision parameter dtype). The counters in

@@ -49,3 +49,5 @@ def grads_at(step: int, rank: int, params: list[torch.Tensor]) -> list[torch.Ten
 TRAIN = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
 TRAIN_STEPS = 24
 LR = 1e-2
+
+CKPT_STEPS = 22
