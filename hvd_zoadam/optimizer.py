@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kinds, native
-from .layout import make_buckets
+from .layout import make_buckets, scale_segments
 from .protocol import Exchange
-from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind
+from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_int
 from .transport import TRANSPORTS, HorovodTransport, Transport
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
@@ -62,6 +62,7 @@ class _Bucket:
     exp_avg: torch.Tensor       # float32[n]
     exp_avg_sq: torch.Tensor    # float32[n]
     anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
+    master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
     views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
 
     @property
@@ -131,7 +132,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, named_parameters, *, schedule: Schedule, transport: Transport,
                  compression, backward_passes_per_step: int, gradient_predivide_factor: float,
-                 sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int):
+                 sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
+                 scale_block_numel: int | None = None):
         self._ready = False
         super().__init__(optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
@@ -143,6 +145,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.bias_correction = bias_correction
         self.bucket_cap_numel = bucket_cap_numel
+        self.scale_block_numel = scale_block_numel
         self._names = self._name_parameters(named_parameters)
         self._uid = self._collective_prefix()
         self._buckets: list[_Bucket] = []
@@ -152,6 +155,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._pending = None          # (step, kind, skip) prepared by synchronize()
+        self._exchanged = False       # p.grad holds this step's exchange result
+        self._inv_grad_scale = None   # 1 / GradScaler's scale while scaler.step() drives us
         self._checked_layout = False
         self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
         self._stats_extra = {"skipped_steps": 0, "adam_equivalent_bytes": 0}
@@ -221,7 +226,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                     "CPU tensors only (the CUDA kernels come in a later release)")
         by_device = {}
         for p in trainable:
-            by_device.setdefault(p.device, []).append(p)
+            by_device.setdefault((p.device, p.dtype), []).append(p)
         for params in by_device.values():
             for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
                 self._add_bucket(index, [params[i] for i in idx])
@@ -235,10 +240,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def _add_bucket(self, group_index: int, params: list) -> None:
         numels = [p.numel() for p in params]
         name = f"zoadam.{self._uid}.b{len(self._buckets)}"
-        exchange = Exchange(numels, self.transport, name)
+        exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport, name)
         n = exchange.numel
         bucket = _Bucket(group_index, params, [self._names[p] for p in params], exchange,
                          torch.zeros(n), torch.zeros(n), torch.zeros(n))
+        if params[0].dtype != torch.float32:
+            bucket.master = torch.cat([p.detach().reshape(-1).float() for p in params])
         for key in ("exp_avg", "exp_avg_sq", "anchor"):
             flat = getattr(bucket, key)
             bucket.views[key] = [v.view_as(p) for v, p in zip(flat.split(numels), params)]
@@ -290,8 +297,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         lr = float(self.param_groups[0]["lr"])
         return step, self.schedule.kind(step, lr=lr, freeze_lr=c["freeze_lr"])
 
-    def _grads_into(self, bucket: _Bucket, out: torch.Tensor) -> None:
-        """out[:n] <- this rank's gradients of the bucket as float32 (None counts as 0)."""
+    def _grads_into(self, bucket: _Bucket, out: torch.Tensor, raw: bool = True) -> None:
+        """out[:n] <- the bucket's gradients as float32 (None counts as 0).
+
+        ``raw``: ``p.grad`` holds this rank's own gradient (not an exchange result), which is
+        still multiplied by a ``torch.amp.GradScaler`` loss scale when one drives the step.
+        """
         grads = []
         for p, name in zip(bucket.params, bucket.names):
             g = p.grad
@@ -304,6 +315,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 g = g.to_dense()
             grads.append(g.reshape(-1).float())
         torch.cat(grads, out=out[:bucket.numel])
+        if raw and self._inv_grad_scale is not None:
+            out[:bucket.numel].mul_(self._inv_grad_scale)
 
     @staticmethod
     def _scatter(flat: torch.Tensor, targets: list) -> None:
@@ -335,6 +348,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def _digest_items(self) -> dict:
         items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
         items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
+                     scale_block_numel=self.scale_block_numel,
                      backward_passes_per_step=self.backward_passes_per_step,
                      compression=getattr(self.compression, "__name__", repr(self.compression)))
         for i, b in enumerate(self._buckets):
@@ -353,7 +367,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if not self._checked_layout:
             self._check_layout()
         skip = False
-        if kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self.world_size > 1:
+        self._exchanged = kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self.world_size > 1
+        if self._exchanged:
             self.transport.counter.kind = kind.value
             skip = not (self._average_grads() if kind is StepKind.VARIANCE else self._compress_grads())
         self._pending = (step, kind, skip)
@@ -361,7 +376,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     def _average_grads(self) -> bool:
         g, ok = self._scratch["g"], True
-        for i, b in enumerate(self._buckets):
+        for b in self._buckets:
             self._grads_into(b, g)
             buf = g[:b.numel]
             f = self.gradient_predivide_factor
@@ -382,38 +397,35 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if predivide != 1.0:
             buf.mul_(predivide)
 
-    def _exchange_all(self, fill) -> bool:
-        """C(.) of every bucket; ``fill(bucket, padded_buf)`` writes the input, results go to ``w``.
+    def _exchange_all(self, buckets, fill, consume) -> bool:
+        """C(.) of every bucket in ``buckets``, in order. Returns False when skipped.
 
-        All buckets' scales are exchanged first, so a non-finite input anywhere skips every
-        bucket before any error buffer changes (spec §5).
+        ``fill(bucket, buf)`` writes the input into the padded scratch ``buf``;
+        ``consume(bucket, w)`` receives the float32[n] result. All buckets' scales are exchanged
+        first, so a non-finite input anywhere skips every bucket before any error buffer
+        changes (spec §5). The input is filled again for the second phase because the scratch
+        is shared by all buckets (it is recomputed bitwise alike).
         """
         g, w = self._scratch["g"], self._scratch["w"]
         prepared = []
-        for b in self._buckets:
+        for b in buckets:
             buf = g[:b.exchange.padded_numel]
             fill(b, buf)
             scales = b.exchange.prepare(buf)
             if scales is None:
                 return False
             prepared.append(scales)
-        for b, scales in zip(self._buckets, prepared):
-            fill(b, g[:b.exchange.padded_numel])
-            b.exchange.finish(g[:b.exchange.padded_numel], scales, w[:b.numel])
-            yield b
+        for b, scales in zip(buckets, prepared):
+            buf = g[:b.exchange.padded_numel]
+            fill(b, buf)
+            consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
         return True
 
     def _compress_grads(self) -> bool:
         def fill(b, buf):
             buf[b.numel:].zero_()
             self._grads_into(b, buf)
-        gen = self._exchange_all(fill)
-        try:
-            while True:
-                b = next(gen)
-                self._write_grads(b, self._scratch["w"])
-        except StopIteration as stop:
-            return stop.value
+        return self._exchange_all(self._buckets, fill, self._write_grads)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -430,13 +442,36 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self._passes[p] = 0
         super().zero_grad(set_to_none=set_to_none)
 
+    # torch.amp.GradScaler calls step() on every rank, with grad_scale and found_inf set, instead of
+    # deciding per rank whether to call it: every rank stays in lockstep, and a NaN/Inf on one rank
+    # skips a communicating step on all ranks together (spec §5).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
-        """One 0/1 Adam step of the kind the schedule gives (spec §2). Returns the closure's loss."""
+        """One 0/1 Adam step of the kind the schedule gives (spec §2). Returns the closure's loss.
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``) the gradients are unscaled
+        before any exchange, so the error buffers stay in unscaled units whatever the scale does.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step()
+        if grad_scale is not None:
+            if self._pending is not None:
+                raise RuntimeError(
+                    "with torch.amp.GradScaler, let scaler.step(optimizer) run hvd_zoadam's exchange: do not "
+                    "call optimizer.synchronize() before it (the gradients would be exchanged at the loss "
+                    "scale). To clip, call scaler.unscale_(optimizer) and clip the local gradients instead.")
+            self._inv_grad_scale = 1.0 / float(grad_scale)
+        try:
+            return self._step(loss)
+        finally:
+            self._inv_grad_scale = None
+
+    def _step(self, loss):
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -468,20 +503,31 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         counters["freeze_lr"] = float(self.param_groups[0]["lr"])
         for b in self._buckets:
             b.exchange.zero_errors()
-            torch.cat([p.detach().reshape(-1).float() for p in b.params], out=b.anchor)
+            b.anchor.copy_(self._load_x(b))
         for group in self.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
     def _load_x(self, b: _Bucket) -> torch.Tensor:
-        x = self._scratch["x"][:b.numel]
-        torch.cat([p.detach().reshape(-1).float() for p in b.params], out=x)
-        return x
+        """x as float32[n]: the fp32 params gathered, or the master weights of fp16/bf16 params.
+
+        Master weights are re-read from the params when someone else changed them since our
+        last write (a model load or a broadcast), detected by comparing the rounded values.
+        """
+        if b.master is None:
+            x = self._scratch["x"][:b.numel]
+            torch.cat([p.detach().reshape(-1).float() for p in b.params], out=x)
+            return x
+        views = b.master.split([p.numel() for p in b.params])
+        for p, v in zip(b.params, views):
+            if not torch.equal(v.to(p.dtype), p.detach().reshape(-1)):
+                v.copy_(p.detach().reshape(-1))
+        return b.master
 
     def _variance_step(self, step, k):
         g = self._scratch["g"]
         for b in self._buckets:
             h = self._hyper(self.param_groups[b.group_index], step, k)
-            self._grads_into(b, g)
+            self._grads_into(b, g, raw=not self._exchanged)
             x = self._load_x(b)
             kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h)
             self._scatter(x, b.params)
@@ -490,7 +536,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         g = self._scratch["g"]
         for b in self._buckets:
             h = self._hyper(self.param_groups[b.group_index], step, k)
-            self._grads_into(b, g)
+            self._grads_into(b, g, raw=not self._exchanged)
             x = self._load_x(b)
             kinds.momentum_step(x, g[:b.numel], b.exp_avg, kinds.adam_denom(b.exp_avg_sq, h), h)
             self._scatter(x, b.params)
@@ -532,27 +578,18 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             anchor = b.anchor.clone() if group["decay_product"] != 1.0 else b.anchor
             kinds.sync_prepare(self._load_x(b), anchor, denoms[id(b)], group["decay_product"], buf[:b.numel])
 
+        def consume(b, w):
+            group = self.param_groups[b.group_index]
+            if group["decay_product"] != 1.0:
+                b.anchor.mul_(group["decay_product"])
+            x = b.master if b.master is not None else self._scratch["x"][:b.numel]
+            kinds.sync_finish(x, b.anchor, b.exp_avg, denoms[id(b)], w, group["lr_sum"],
+                              self._hyper(group, step, k))
+            self._scatter(x, b.params)
+
+        # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
         live = [b for b in self._buckets if self.param_groups[b.group_index]["lr_sum"] > 0]
-        all_buckets, self._buckets = self._buckets, live
-        try:
-            gen = self._exchange_all(fill)
-            while True:
-                try:
-                    b = next(gen)
-                except StopIteration as stop:
-                    synced = stop.value
-                    break
-                group = self.param_groups[b.group_index]
-                h = self._hyper(group, step, k)
-                if group["decay_product"] != 1.0:
-                    b.anchor.mul_(group["decay_product"])
-                x = self._scratch["x"][:b.numel]
-                kinds.sync_finish(x, b.anchor, b.exp_avg, denoms[id(b)], self._scratch["w"][:b.numel],
-                                  group["lr_sum"], h)
-                self._scatter(x, b.params)
-        finally:
-            self._buckets = all_buckets
-        if synced:
+        if self._exchange_all(live, fill, consume):
             for group in self.param_groups:
                 group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
@@ -586,9 +623,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         return out
 
     def memory_bytes(self) -> dict:
-        """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor), ``error_buffers``,
+        """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master
+        weights for fp16/bf16 parameters), ``error_buffers``,
         ``scratch`` (reused every step) and ``total``."""
-        state = sum(3 * 4 * b.numel for b in self._buckets)
+        state = sum((3 + (b.master is not None)) * 4 * b.numel for b in self._buckets)
         errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self._buckets)
         scratch = sum(t.numel() * t.element_size() for t in self._scratch.values()) \
             + sum(b.exchange.memory_bytes()["scratch"] for b in self._buckets)
@@ -661,7 +699,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          op=None, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                          process_set=None, *, var_freeze_step=100000, var_update_scaler=16,
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
-                         bias_correction=True, transport="auto", bucket_cap_mb=25.0):
+                         bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam optimizer that communicates
     through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
@@ -686,7 +724,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
     (H_max, steps), ``local_step_policy`` (``"steps"``, ``"lr"`` or ``"constant"``),
     ``bias_correction``, ``transport`` (``"auto"`` or ``"horovod"``), ``bucket_cap_mb``
-    (the fused bucket size, MiB of float32).
+    (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
+    each tensor is cut into blocks of at most this many elements, each with its own scale;
+    ``None`` for one scale per tensor; a multiple of 8 or None).
 
     Returns:
         A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
@@ -733,6 +773,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
     if local_step_policy not in LOCAL_STEP_POLICIES:
         raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, got {local_step_policy!r}")
+    if scale_block_numel is not None:
+        scale_block_numel = check_positive_int(scale_block_numel, "scale_block_numel",
+                                               "Use a multiple of 8 such as 2048, or None for one scale per tensor.")
+        if scale_block_numel % 8:
+            raise ValueError(f"scale_block_numel must be a multiple of 8 (whole bytes of sign bits per block), "
+                             f"got {scale_block_numel}")
     if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
     schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
@@ -742,4 +788,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
-        bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)))
+        bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
+        scale_block_numel=scale_block_numel)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import padded_numel, segment_offsets
+from .layout import padded_numel, scale_segments, segment_offsets
 from .native import reference
 from .schedule import Schedule, StepKind
 
@@ -54,8 +54,9 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
 
 
 def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
-                    eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True):
-    """0/1 Adam (spec §2) on P simulated workers, one bucket of all ``params``.
+                    eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048):
+    """0/1 Adam (spec §2) on P simulated workers, one bucket of all ``params``, with one
+    scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
     Args:
         params: list of float32 tensors, the common initial x.
@@ -67,6 +68,7 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
     """
     beta1, beta2 = betas
     numels = [p.numel() for p in params]
+    segments = scale_segments(numels, scale_block_numel)
     n = sum(numels)
     big_n = padded_numel(n, world_size)
     xs = [torch.cat([p.reshape(-1).float() for p in params]) for _ in range(world_size)]
@@ -100,7 +102,7 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             avg = sum(g[1:], g[0].clone()) / world_size
             g = [avg] * world_size
         elif kind is StepKind.COMPRESSED:
-            out = simulate_compressed_allreduce(g, we, se, numels)
+            out = simulate_compressed_allreduce(g, we, se, segments)
             g = [out] * world_size
         bc2 = 1 - beta2 ** max(k, 1) if bias_correction else 1.0
         for r in range(world_size):
@@ -120,7 +122,7 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
         if kind is StepKind.SYNC and lr_sum > 0:
             anchor.mul_(decay) if decay != 1.0 else None
             u = [(anchor - x) * denom for x in xs]
-            w = simulate_compressed_allreduce(u, we, se, numels)
+            w = simulate_compressed_allreduce(u, we, se, segments)
             for r in range(world_size):
                 xs[r] = anchor - w / denom
                 m[r] = w * (bc1 / lr_sum)

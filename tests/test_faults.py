@@ -1,0 +1,154 @@
+"""Agreed skips on non-finite gradients, GradScaler, half-precision models (spec §5; BH-02/15/24)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hvd_zoadam
+from hvd_zoadam import StepKind
+from helpers import run_threads
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+import common  # noqa: E402
+
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+
+
+def test_a_nan_on_one_rank_skips_communicating_steps_everywhere():
+    """Steps 2 (VARIANCE), 3 (COMPRESSED), 7 (SYNC) and 11 (LOCAL) get a NaN on rank 1 only."""
+    poison = {2: StepKind.VARIANCE, 3: StepKind.COMPRESSED, 7: StepKind.SYNC, 11: StepKind.LOCAL}
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
+                                              transport=transport, **KNOBS)
+        log = []
+        for t in range(1, 13):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            kind = opt._next_kind()[1]
+            if t in poison:
+                assert kind is poison[t]
+                if rank == 1:
+                    model[0].weight.grad[0, 0] = float("nan")
+            before = [q.detach().clone() for q in model.parameters()]
+            opt.step()
+            moved = any(not torch.equal(a, q) for a, q in zip(before, model.parameters()))
+            errors_finite = all(torch.isfinite(b.exchange.worker_error).all() and
+                                torch.isfinite(b.exchange.server_error).all() for b in opt._buckets)
+            log.append((t, kind, moved, errors_finite, [q.detach().clone() for q in model.parameters()],
+                        opt.schedule_state()["step"]))
+        return log, opt.comm_stats()
+    res = run_threads(2, body)
+    for (log0, stats0), (log1, stats1) in [(res[0], res[1])]:
+        # VARIANCE and COMPRESSED steps exchange the gradient: skipped on both ranks. A SYNC step
+        # exchanges the (finite) update: rank 1 skips its own local update, the sync goes on.
+        assert stats0["skipped_steps"] == stats1["skipped_steps"] == 2
+        for e0, e1 in zip(log0, log1):
+            t, kind = e0[0], e0[1]
+            assert e0[5] == e1[5] == t  # counters in lockstep
+            assert e0[3] and e1[3]  # error buffers never hold NaN/Inf
+            if t in (2, 3):
+                assert not e0[2] and not e1[2]  # skipped on both ranks
+            if t == 7:
+                assert e0[2] and e1[2]
+            if t == 11:
+                assert e0[2] and not e1[2]  # a LOCAL step: only the rank with the NaN skips
+            if kind is not StepKind.LOCAL and t != 11:
+                assert all(torch.equal(a, b) for a, b in zip(e0[4], e1[4])), t
+            assert all(torch.isfinite(q).all() for q in e0[4] + e1[4])
+
+
+def _amp_run(rank, transport, scale=None, overflow_at=None, steps=10, clip=False):
+    model = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
+                                          transport=transport, **KNOBS)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3) if scale else None
+    scales = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        loss = common.loss_fn(model, t, rank)
+        if scaler:
+            scaler.scale(loss).backward()
+            if t == overflow_at and rank == 1:
+                model[2].bias.grad[0] = float("inf")
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+    return [q.detach().clone() for q in model.parameters()], scales, opt
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_matches_the_unscaled_run(clip):
+    """BH-24 (b): loss x 1024 through GradScaler gives the unscaled run's parameters (1e-5 relative)."""
+    plain = run_threads(2, lambda r, t: _amp_run(r, t, clip=clip))
+    scaled = run_threads(2, lambda r, t: _amp_run(r, t, scale=1024.0, clip=clip))
+    for r in range(2):
+        assert len(set(scaled[r][1])) > 1  # the scale really changed during the run
+        for a, b in zip(scaled[r][0], plain[r][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_scaler_overflow_on_one_rank_keeps_ranks_in_lockstep():
+    res = run_threads(2, lambda r, t: _amp_run(r, t, scale=2.0 ** 10, overflow_at=3, steps=12))
+    (p0, s0, o0), (p1, s1, o1) = res
+    assert s1[2] == s0[2] / 4  # rank 1 backed off (0.5) while rank 0 grew (x2 after 3 clean steps)
+    assert o0.comm_stats()["skipped_steps"] == o1.comm_stats()["skipped_steps"] == 1
+    assert o0.schedule_state() == o1.schedule_state()
+    assert o0._next_kind()[1] is StepKind.LOCAL  # step 13
+    assert all(torch.isfinite(q).all() for q in p0 + p1)
+
+
+def test_synchronize_before_scaler_step_is_refused_with_the_fix():
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=transport, **KNOBS)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(common.loss_fn(model, 1, rank)).backward()
+        opt.synchronize()
+        with pytest.raises(RuntimeError, match="scaler.unscale_"):
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        return True
+    assert run_threads(2, body) == [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_train_with_fp32_internals(dtype):
+    """BH-02 (bf16, no loss scaler demanded) and BH-15 (fp16/bf16 on CPU, no missing Half kernels)."""
+    def run(rank, transport, dt):
+        with common._INIT_LOCK:
+            torch.manual_seed(3)
+            model = torch.nn.Linear(32, 8).to(dt)
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
+                                              var_freeze_step=2, var_update_scaler=1, local_step_scaler=2,
+                                              local_step_clipper=2)
+        gen = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(64, 32, generator=gen), torch.randn(64, 8, generator=gen)
+        for _ in range(10):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x.to(dt)).float(), y)
+            loss.backward()
+            opt.step()
+        final = torch.nn.functional.mse_loss(model(x.to(dt)).float(), y).item()
+        return final, [q.detach().clone() for q in model.parameters()], opt
+    half = run_threads(2, lambda r, t: run(r, t, dtype))
+    full = run_threads(2, lambda r, t: run(r, t, torch.float32))
+    for r in range(2):
+        loss_h, params_h, opt_h = half[r]
+        assert all(q.dtype == dtype for q in params_h)
+        assert all(b.exchange.worker_error.dtype == torch.float32 and b.exp_avg.dtype == torch.float32
+                   for b in opt_h._buckets)
+        assert abs(loss_h - full[r][0]) <= 0.05 * full[r][0]
+        assert all(torch.equal(a, b) for a, b in zip(params_h, half[0][1]))  # step 10 is a SYNC step
