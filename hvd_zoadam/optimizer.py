@@ -335,7 +335,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if self.world_size == 1:
             return
         mine = self._digest_items()
-        everyone = self.transport.allgather_object(mine, f"zoadam.{self._uid}.layout")
+        # A fixed name: the layout digest in self._uid may itself differ across ranks, and Horovod
+        # pairs collectives by name (sequential calls may reuse one).
+        everyone = self.transport.allgather_object(mine, "zoadam.layout_check")
         for rank, theirs in enumerate(everyone):
             if theirs == mine:
                 continue

@@ -144,3 +144,40 @@ def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_pat
     n = 8 * 4 + 4
     assert ranks[0]["stats"]["variance"]["bytes_sent"] == round(ranks[0]["stats"]["variance"]["steps"] * 4 * n)
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
+    """BH-08/09/10 (hvd.broadcast_optimizer_state) and BH-21 (settings differ across ranks)."""
+    run_job(launcher, 2, ["tests/mp/worker_bcast.py", str(tmp_path)], timeout_s=120)
+    r0, r1 = load_ranks(tmp_path, 2)
+    same_state = lambda a, b: all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])  # noqa: E731
+    # BH-08/09: frozen layer untouched and without state; broadcasting twice = once; state equal after each
+    f0, f1 = r0["frozen"], r1["frozen"]
+    assert f0["unchanged"] and f1["unchanged"] and not f0["frozen_in_state"]
+    for snap in ("once", "twice", "after"):
+        assert same_state(f0[snap]["state"], f1[snap]["state"]) and f0[snap]["groups"] == f1[snap]["groups"]
+    assert same_state(f0["once"]["state"], f0["twice"]["state"])
+    # per-rank error buffers are not replaced by rank 0's copies
+    assert all(torch.equal(a, b) for a, b in zip(f1["before"]["errors"], f1["after"]["errors"]))
+    assert not all(torch.equal(a, b) for a, b in zip(f0["after"]["errors"], f1["after"]["errors"]))
+    assert all(torch.equal(a, b) for a, b in zip(f0["final"], f1["final"]))
+    # BH-10: rank 1's corrupted options and counters come back as rank 0's, with their Python types
+    c0, c1 = r0["corrupt"], r1["corrupt"]
+    assert c1["groups"] == c0["groups"]
+    for g0, g1 in zip(c0["groups"], c1["groups"]):
+        for key in g0:
+            assert type(g0[key]) is type(g1[key]), key
+    assert c1["groups"][0]["zoadam"]["step"] == 5 and c1["groups"][0]["lr"] == 1e-3
+    assert type(c1["groups"][0]["zoadam"]["freeze_lr"]) is float
+    assert same_state(c0["state"], c1["state"])
+    assert all(torch.equal(a, b) for a, b in zip(c0["after"], c1["after"]))
+    # BH-21: every rank raises within seconds, naming the setting and both values
+    for r in (r0, r1):
+        m = r["mismatch"]
+        assert "schedule.var_freeze_step" in m["freeze"]["error"] and "3" in m["freeze"]["error"] \
+            and "5" in m["freeze"]["error"]
+        assert "schedule.local_step_clipper" in m["clipper"]["error"] and "8" in m["clipper"]["error"]
+        assert "torch.float64" in m["dtype"]["error"] and "torch.float32" in m["dtype"]["error"]
+        assert "extra" in m["extra"]["error"]
+        assert all(case["seconds"] < 30 for case in m.values())
