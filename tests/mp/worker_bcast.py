@@ -66,7 +66,7 @@ def corrupt_then_broadcast(out):
     model = common.mlp()
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                           named_parameters=model.named_parameters(), var_freeze_step=3,
-                                          var_update_scaler=2, local_step_scaler=2, local_step_clipper=2)
+                                          var_update_scaler=2, local_step_scaler=1000, local_step_clipper=1)
     for t in range(1, 6):
         opt.zero_grad()
         common.loss_fn(model, t, hvd.rank()).backward()
@@ -83,8 +83,7 @@ def corrupt_then_broadcast(out):
                       "state": {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}}
     opt.zero_grad()
     common.loss_fn(model, 6, hvd.rank()).backward()
-    opt.step()  # step 6 is a SYNC step (T_f = 3, H = 1 for d = 1, 2, then H = 2: 6 - 3 = 3 ... see test)
-    out["corrupt"]["kind6"] = opt.comm_stats()["sync"]["steps"]
+    opt.step()  # step 6 is a SYNC step (H = 1 throughout): parameters agree again
     out["corrupt"]["after"] = [p.detach().clone() for p in model.parameters()]
 
 
