@@ -213,7 +213,7 @@ def main(argv=None):
         if step % args.eval_interval == 0 or step == args.steps:
             val_curve.append((step, evaluate(model, val_data, args)))
         if bar:
-            bar.set_postfix(loss=f"{loss.item():.3f}", sent=f"{sent / 2 ** 20:.1f}MiB", kind=kind)
+            bar.set_postfix(loss=f"{loss.item():.3f}", sent=f"{sent / 2 ** 20:.1f}MiB", kind=kind, refresh=False)
             bar.update()
     wall = time.perf_counter() - start
     if bar:

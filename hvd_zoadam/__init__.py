@@ -7,7 +7,8 @@ from .layout import padded_numel
 from .optimizer import DistributedOptimizer, ZeroOneAdamOptimizer
 from .protocol import NonFiniteError, compressed_allreduce
 from .schedule import Schedule, StepKind
+from .transport import CollectiveTimeoutError
 
 __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "ZeroOneAdamOptimizer", "compressed_allreduce", "padded_numel",
-           "Schedule", "StepKind", "NonFiniteError", "__version__"]
+           "Schedule", "StepKind", "NonFiniteError", "CollectiveTimeoutError", "__version__"]

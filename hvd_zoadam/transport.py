@@ -21,12 +21,34 @@ A round is one collective call. With P = 1 nothing is sent and no round counted.
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import defaultdict
 
 import torch
 
 TRANSPORTS = ("auto", "horovod")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete in time: a peer is dead, stalled, or issued other collectives."""
+
+
+def default_timeout_s() -> float:
+    """Seconds a collective may take before :class:`CollectiveTimeoutError`: the environment
+    variable ``HVD_ZOADAM_TIMEOUT_S``, else 600."""
+    value = os.environ.get("HVD_ZOADAM_TIMEOUT_S")
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        timeout = float(value)
+    except ValueError:
+        raise ValueError(f"HVD_ZOADAM_TIMEOUT_S must be a number of seconds, got {value!r}") from None
+    if not timeout > 0:
+        raise ValueError(f"HVD_ZOADAM_TIMEOUT_S must be > 0, got {value!r}")
+    return timeout
 
 
 class CommCounter:
@@ -85,28 +107,57 @@ class Transport:
 
 
 class HorovodTransport(Transport):
-    """Horovod collectives on a process set. Op names are unique per call site."""
+    """Horovod collectives on a process set, each with a deadline.
+
+    Every collective is started asynchronously and polled; past ``timeout_s`` seconds it
+    raises :class:`CollectiveTimeoutError` naming the collective, instead of hanging
+    when a peer died or stalled. The op names are rank-independent and unique per call site.
+    """
 
     name = "horovod"
 
-    def __init__(self, process_set=None):
+    def __init__(self, process_set=None, timeout_s: float | None = None):
         import horovod.torch as hvd
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         super().__init__(self.process_set.rank(), self.process_set.size())
 
+    def _wait(self, handle, op: str, name: str, nbytes: int):
+        from horovod.common.exceptions import HorovodInternalError
+        hvd, deadline, pause = self._hvd, time.monotonic() + self.timeout_s, 0.0
+        while not hvd.poll(handle):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"hvd_zoadam: the {op} '{name}' ({nbytes} bytes) did not complete within {self.timeout_s:g} s "
+                    f"on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or the ranks issue "
+                    "different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
+            time.sleep(pause)
+            pause = min(0.005, pause + 0.0002)
+        try:
+            return hvd.synchronize(handle)
+        except HorovodInternalError as exc:
+            # Same type, so hvd.elastic.run still catches it; the message names the collective.
+            raise HorovodInternalError(f"hvd_zoadam: the {op} '{name}' failed on rank {self.rank} of "
+                                       f"{self.world_size} (a peer died or Horovod shut down): {exc}") from exc
+
+    def _nbytes(self, tensor):
+        return tensor.numel() * tensor.element_size()
+
     def _allgather(self, tensor, name):
-        return self._hvd.allgather(tensor, name=name, process_set=self.process_set)
+        handle = self._hvd.allgather_async(tensor, name=name, process_set=self.process_set)
+        return self._wait(handle, "allgather", name, self._nbytes(tensor))
 
     def _alltoall(self, tensor, name):
-        return self._hvd.alltoall(tensor, name=name, process_set=self.process_set)
+        handle = self._hvd.alltoall_async(tensor, name=name, process_set=self.process_set)
+        return self._wait(handle, "alltoall", name, self._nbytes(tensor))[0]
 
     def _allreduce_average_(self, tensor, name):
-        return self._hvd.allreduce_(tensor, op=self._hvd.Average, name=name, process_set=self.process_set)
+        handle = self._hvd.allreduce_async_(tensor, op=self._hvd.Average, name=name, process_set=self.process_set)
+        return self._wait(handle, "allreduce", name, self._nbytes(tensor))
 
     def allgather_object(self, obj, name):
-        return self._hvd.allgather_object(obj, name=name) if self.process_set is self._hvd.global_process_set \
-            else _allgather_object_via_bytes(self, obj, name)
+        return _allgather_object_via_bytes(self, obj, name)
 
 
 def _allgather_object_via_bytes(transport: Transport, obj, name: str) -> list:

@@ -1,0 +1,139 @@
+"""``python -m hvd_zoadam.info``: an environment report, in the spirit of ``horovodrun --check-build``.
+
+Prints what hvd_zoadam will run on: Horovod's frameworks, controllers and tensor
+operations; the MPI library and whether it is CUDA-aware; mpi4py and its thread level;
+Numba (threads, CUDA); torch and its devices; and which transport ``"auto"`` picks.
+``--json`` prints the same as one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _horovod() -> dict:
+    try:
+        import horovod
+        import horovod.torch as hvd
+    except ImportError as exc:
+        return {"installed": False, "error": str(exc)}
+    return {"installed": True, "version": horovod.__version__,
+            "controllers": {"mpi": hvd.mpi_built(), "gloo": hvd.gloo_built()},
+            "tensor_operations": {"nccl": hvd.nccl_built() != 0, "ddl": hvd.ddl_built(), "ccl": hvd.ccl_built(),
+                                  "mpi": hvd.mpi_built(), "gloo": hvd.gloo_built()},
+            "cuda_built": hvd.cuda_built(), "rocm_built": hvd.rocm_built()}
+
+
+def _mpi() -> dict:
+    out = {}
+    try:
+        import mpi4py
+        out["mpi4py"] = mpi4py.__version__
+        mpi4py.rc.initialize = False  # report without starting MPI
+        from mpi4py import MPI
+        out["library"] = MPI.Get_library_version().strip().splitlines()[0]
+        out["standard"] = "%d.%d" % MPI.Get_version()
+        out["thread_level_requested"] = mpi4py.rc.thread_level
+    except Exception as exc:  # noqa: BLE001 - a report, not a check
+        out.setdefault("mpi4py", None)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["cuda_aware"] = _cuda_aware_mpi()
+    return out
+
+
+def _cuda_aware_mpi():
+    """Open MPI's MPIX_Query_cuda_support(), when the library has it; None when unknown."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("mpi")
+    if not name:
+        return None
+    try:
+        lib = ctypes.CDLL(name)
+        return bool(lib.MPIX_Query_cuda_support())
+    except (OSError, AttributeError):
+        return None
+
+
+def _numba() -> dict:
+    try:
+        import numba
+        from numba import cuda
+    except ImportError as exc:
+        return {"installed": False, "error": str(exc)}
+    try:
+        cuda_ok = bool(cuda.is_available())
+    except Exception:  # noqa: BLE001
+        cuda_ok = False
+    return {"installed": True, "version": numba.__version__, "threads": numba.config.NUMBA_NUM_THREADS,
+            "threading_layer": numba.config.THREADING_LAYER, "cuda_available": cuda_ok,
+            "cuda_simulator": os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"}
+
+
+def _torch() -> dict:
+    import torch
+    return {"version": torch.__version__, "cuda_available": torch.cuda.is_available(),
+            "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "cpu_threads": torch.get_num_threads()}
+
+
+def _transport_choice(horovod: dict) -> str:
+    """What transport="auto" resolves to in this release."""
+    if not horovod.get("installed"):
+        return "none: Horovod is not installed"
+    return "horovod (Horovod's alltoall/allgather/allreduce, under the Gloo or the MPI controller)"
+
+
+def report() -> dict:
+    horovod = _horovod()
+    import hvd_zoadam
+    return {"hvd_zoadam": hvd_zoadam.__version__, "horovod": horovod, "mpi": _mpi(), "numba": _numba(),
+            "torch": _torch(), "auto_transport": _transport_choice(horovod),
+            "kernels": "Numba CPU kernels (CUDA tensors are not supported in this release)"}
+
+
+def _print(rep: dict) -> None:
+    def mark(flag):
+        return "[X]" if flag else "[ ]"
+    h = rep["horovod"]
+    print(f"hvd_zoadam v{rep['hvd_zoadam']}\n")
+    if h.get("installed"):
+        print(f"Horovod v{h['version']}\n\nAvailable Controllers:")
+        for k, v in h["controllers"].items():
+            print(f"    {mark(v)} {k.upper() if k == 'mpi' else k.capitalize()}")
+        print("\nAvailable Tensor Operations:")
+        for k, v in h["tensor_operations"].items():
+            print(f"    {mark(v)} {k.upper() if k != 'gloo' else 'Gloo'}")
+    else:
+        print(f"Horovod: not importable ({h.get('error')})")
+    m = rep["mpi"]
+    print(f"\nMPI: {m.get('library', 'not found')}")
+    print(f"    mpi4py: {m.get('mpi4py') or 'not installed'}; thread level requested: "
+          f"{m.get('thread_level_requested', '-')}")
+    aware = {True: "yes", False: "no", None: "unknown"}[m.get("cuda_aware")]
+    print(f"    CUDA-aware: {aware}")
+    n = rep["numba"]
+    print(f"\nNumba: {n.get('version', 'not installed')}; threads {n.get('threads')}; "
+          f"CUDA {'available' if n.get('cuda_available') else 'not available'}"
+          f"{' (simulator)' if n.get('cuda_simulator') else ''}")
+    t = rep["torch"]
+    devices = ", ".join(t["cuda_devices"]) or "none"
+    print(f"torch: {t['version']}; CUDA devices: {devices}; CPU threads {t['cpu_threads']}")
+    print(f"\ntransport='auto' picks: {rep['auto_transport']}")
+    print(f"kernels: {rep['kernels']}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.info", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    rep = report()
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        _print(rep)
+
+
+if __name__ == "__main__":
+    main()

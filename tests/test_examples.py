@@ -1,0 +1,49 @@
+"""The examples and command-line entry points run as documented (briefly)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, run_job
+
+
+def test_train_lm_runs_under_horovodrun_and_writes_its_summary(tmp_path):
+    common = ["--steps", "12", "--warmup", "4", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+              "--block-size", "32", "--batch-size", "4", "--eval-interval", "6", "--eval-batches", "2",
+              "--var-update-scaler", "1", "--local-step-scaler", "2", "--local-step-clipper", "2"]
+    for opt in ("zoadam", "adam"):
+        run_job("gloo", 2, ["examples/train_lm.py", "--optimizer", opt, "--summary", str(tmp_path / f"{opt}.json"),
+                            "--log", str(tmp_path / f"{opt}.jsonl"), *common], timeout_s=180)
+    z = json.loads((tmp_path / "zoadam.json").read_text())
+    a = json.loads((tmp_path / "adam.json").read_text())
+    for s in (z, a):
+        assert {"optimizer", "world_size", "steps", "final_train_loss", "final_val_loss", "wall_s", "steps_per_s",
+                "comm_stats"} <= set(s)
+        assert s["world_size"] == 2 and s["steps"] == 12 and 0 < s["final_val_loss"] < 4.5
+    assert set(z["kinds"]) == {"variance", "compressed", "local", "sync"}
+    assert z["comm_stats"]["bytes_sent_total"] < z["comm_stats"]["adam_equivalent_bytes"]
+    assert a["comm_stats"]["bytes_sent_total"] == z["comm_stats"]["adam_equivalent_bytes"]
+    lines = [json.loads(x) for x in (tmp_path / "zoadam.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 13)) and {"kind", "lr", "loss", "bytes_sent"} <= set(lines[0])
+    out = subprocess.run([sys.executable, "examples/compare.py", str(tmp_path / "zoadam.json"),
+                          str(tmp_path / "adam.json"), "--png", str(tmp_path / "loss.png"), "--json",
+                          str(tmp_path / "cmp.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "zoadam" in out.stdout and "adam" in out.stdout
+    rows = json.loads((tmp_path / "cmp.json").read_text())
+    assert rows[0]["bytes_vs_adam"] < 1 and rows[1]["bytes_vs_adam"] == 1
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+def test_info_reports_the_environment():
+    out = subprocess.run([sys.executable, "-m", "hvd_zoadam.info", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["horovod"]["installed"] and rep["horovod"]["controllers"] == {"mpi": True, "gloo": True}
+    assert rep["mpi"]["library"].startswith("Open MPI") and rep["mpi"]["cuda_aware"] is False
+    assert rep["torch"]["version"].startswith("2.") and "horovod" in rep["auto_transport"]
+    text = subprocess.run([sys.executable, "-m", "hvd_zoadam.info"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120).stdout
+    assert "Available Controllers" in text and "transport='auto' picks" in text
