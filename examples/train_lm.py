@@ -128,6 +128,7 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=60, help="LR warm-up steps")
     ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--beta2", type=float, default=0.98)
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -163,7 +164,7 @@ def main(argv=None):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     inner = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
+                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, args.beta2))
     n_params = sum(p.numel() for p in model.parameters())
     if args.optimizer == "zoadam":
         opt = hvd_zoadam.DistributedOptimizer(

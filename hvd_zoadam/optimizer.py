@@ -274,7 +274,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if self._passes[p] >= self.backward_passes_per_step:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
+                    "Increase backward_passes_per_step to accumulate gradients locally. (hvd_zoadam: parameter "
+                    f"{self._names.get(p)!r} of the optimizer {self._uid}; when several optimizers share a "
+                    "model, call step() or zero_grad() on each one whose parameters got gradients.)")
             self._passes[p] += 1
         return hook
 
@@ -329,6 +331,25 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
         self._scatter(flat[:bucket.numel], [p.grad for p in bucket.params])
 
+    def _check_params_unchanged(self) -> None:
+        """The buffers were laid out for the parameters at construction (BH-23): refuse to go on
+        when a parameter was replaced in param_groups or resized in place."""
+        current = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
+        laid_out = [p for b in self._buckets for p in b.params]
+        if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
+                and all(p.numel() == v.numel() for b in self._buckets for p, v in zip(b.params, b.views["exp_avg"])):
+            return
+        for b in self._buckets:
+            for p, v, name in zip(b.params, b.views["exp_avg"], b.names):
+                if p.numel() != v.numel():
+                    raise ValueError(f"parameter {name!r} changed shape from {tuple(v.shape)} to {tuple(p.shape)} "
+                                     "after the optimizer was built; its error buffers and chunks no longer fit. "
+                                     "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
+        raise ValueError("the trainable parameters in param_groups are not the ones hvd_zoadam laid out at "
+                         "construction (a parameter was replaced, or requires_grad changed); build a new "
+                         "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
+                         "for new parameters")
+
     def _check_layout(self) -> None:
         """Spec §5: compare settings and parameter layout across ranks; raise on every rank on a mismatch."""
         self._checked_layout = True
@@ -366,6 +387,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if self._pending is not None:
             return
         step, kind = self._next_kind()
+        self._check_params_unchanged()
         if not self._checked_layout:
             self._check_layout()
         skip = False

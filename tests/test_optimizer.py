@@ -428,3 +428,42 @@ def test_layout_mismatch_raises_on_every_rank_naming_both_values():
             opt.step()
         return True
     assert run_threads(2, body) == [True, True]
+
+
+def test_a_replaced_or_resized_parameter_is_refused_by_name():
+    """BH-23 (b): never use a buffer of the old length."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
+                                          transport=solo())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    model[0].weight = torch.nn.Parameter(torch.randn(5, 4))
+    opt.param_groups[0]["params"][0] = model[0].weight
+    with pytest.raises(ValueError, match="not the ones hvd_zoadam laid out"):
+        opt.step()
+    model2 = torch.nn.Linear(4, 4)
+    opt2 = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model2.parameters()),
+                                           named_parameters=model2.named_parameters(), transport=solo())
+    model2.weight.data = torch.zeros(5, 4)
+    with pytest.raises(ValueError, match=r"'weight' changed shape from \(4, 4\) to \(5, 4\)"):
+        opt2.step()
+
+
+def test_two_optimizers_over_one_model():
+    """BH-14: disjoint parts work; a part left un-stepped fails at the next backward naming the parameter."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt_a = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model[0].parameters()),
+                                            named_parameters=model[0].named_parameters(prefix="a"), transport=solo())
+    opt_b = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model[1].parameters()),
+                                            named_parameters=model[1].named_parameters(prefix="b"), transport=solo())
+    for _ in range(3):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt_a.step()
+        opt_b.step()
+    assert opt_a.schedule_state()["step"] == opt_b.schedule_state()["step"] == 3
+    model(torch.ones(2, 4)).sum().backward()
+    opt_b.step()  # only B steps: A's gradients were computed and never consumed
+    with pytest.raises(AssertionError, match=r"parameter 'a\.(weight|bias)'"):
+        model(torch.ones(2, 4)).sum().backward()
