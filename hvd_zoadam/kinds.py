@@ -60,23 +60,31 @@ def _decay(param: torch.Tensor, h: Hyper) -> None:
         param.mul_(1 - h.lr * h.weight_decay)
 
 
-def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper) -> None:
-    """VARIANCE (spec §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s."""
+def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None) -> None:
+    """VARIANCE (spec §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s.
+
+    ``mask`` (bool[n] or None): the momentum mask; coordinates where it is False keep m = 0.
+    """
     _decay(param, h)
     grad = _l2(grad_avg, param, h)
     exp_avg.lerp_(grad, 1 - h.beta1)
+    if mask is not None:
+        exp_avg.mul_(mask)
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
     param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h), value=-h.lr / h.bias_correction1)
 
 
-def momentum_step(param, grad, exp_avg, denom, h: Hyper) -> None:
+def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
     """COMPRESSED (with ĝ = C(g)) and LOCAL (with the local g): m ← β1·m + (1−β1)·g; x ← x − γ·m̂/s.
 
-    v is not touched. ``denom`` is :func:`adam_denom` of the frozen or current v.
+    v is not touched. ``denom`` is :func:`adam_denom` of the frozen or current v; ``mask`` as
+    in :func:`variance_step`.
     """
     _decay(param, h)
     grad = _l2(grad, param, h)
     exp_avg.lerp_(grad, 1 - h.beta1)
+    if mask is not None:
+        exp_avg.mul_(mask)
     param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
 
 
@@ -87,8 +95,14 @@ def sync_prepare(param, anchor, denom, decay_product: float, out) -> None:
     torch.sub(anchor, param, out=out).mul_(denom)
 
 
-def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper) -> None:
-    """SYNC steps 5–7: x ← x_a − w/s; m ← (1−β1^t)·w/Λ (so m̂ = w/Λ); x_a ← x."""
+def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper, mask=None) -> None:
+    """SYNC steps 5–7: x ← x_a − w/s; m ← (1−β1^t)·w/Λ (so m̂ = w/Λ); x_a ← x.
+
+    With a ``mask``, w is zeroed where it is False first: sign compression cannot send an
+    exact 0, so masked coordinates would otherwise move by ±scale/s at every sync.
+    """
+    if mask is not None:
+        w.mul_(mask)
     torch.sub(anchor, w / denom, out=param)
     torch.mul(w, h.bias_correction1 / lr_sum, out=exp_avg)
     anchor.copy_(param)

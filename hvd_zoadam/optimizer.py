@@ -63,6 +63,7 @@ class _Bucket:
     exp_avg_sq: torch.Tensor    # float32[n]
     anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
     master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
+    mask: torch.Tensor | None = None    # uint8[n] momentum mask (exp_avg_mask), 0 = never moves
     views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
 
     @property
@@ -133,7 +134,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters, *, schedule: Schedule, transport: Transport,
                  compression, backward_passes_per_step: int, gradient_predivide_factor: float,
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
-                 scale_block_numel: int | None = None):
+                 scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False):
         self._ready = False
         super().__init__(optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
@@ -146,8 +147,11 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.bias_correction = bias_correction
         self.bucket_cap_numel = bucket_cap_numel
         self.scale_block_numel = scale_block_numel
+        self.auto_exp_avg_mask = auto_exp_avg_mask
+        self._user_masks = {}  # param -> mask tensor, resolved from exp_avg_mask after naming
         self._names = self._name_parameters(named_parameters)
         self._uid = self._collective_prefix()
+        self._user_masks = self._resolve_masks(exp_avg_mask)
         self._buckets: list[_Bucket] = []
         self._scratch = {}
         self._hook_handles = []
@@ -192,6 +196,30 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             raise ValueError("named_parameters was specified, but one or more model parameters were "
                              "not named. Python object ids: " + ", ".join(map(str, missing)))
         return names
+
+    def _resolve_masks(self, exp_avg_mask) -> dict:
+        """``exp_avg_mask``: {param or name: 0/1 tensor of the param's shape}; also DeepSpeed's
+        ``exp_avg_mask`` option in a param group that holds one parameter."""
+        by_name = {name: p for p, name in self._names.items()}
+        masks = {}
+        for key, mask in (exp_avg_mask or {}).items():
+            p = by_name.get(key) if isinstance(key, str) else key
+            if p is None or p not in self._names:
+                raise ValueError(f"exp_avg_mask names {key!r}, which is not a parameter of this optimizer")
+            masks[p] = mask
+        for i, group in enumerate(self.param_groups):
+            if group.get("exp_avg_mask") is not None:
+                if len(group["params"]) != 1:
+                    raise ValueError(f"param_groups[{i}] has an exp_avg_mask and {len(group['params'])} parameters; "
+                                     "a group mask needs a group of one parameter (or pass exp_avg_mask={param: mask})")
+                masks[group["params"][0]] = group["exp_avg_mask"]
+        for p, mask in masks.items():
+            if not isinstance(mask, torch.Tensor) or mask.shape != p.shape:
+                raise ValueError(f"exp_avg_mask of {self._names[p]!r} must be a tensor of shape {tuple(p.shape)}, "
+                                 f"got {getattr(mask, 'shape', type(mask).__name__)}")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError(f"exp_avg_mask of {self._names[p]!r} must hold only 0 and 1")
+        return masks
 
     def _collective_prefix(self) -> str:
         """A rank-independent name for this optimizer's collectives: a digest of its parameter
@@ -246,13 +274,19 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                          torch.zeros(n), torch.zeros(n), torch.zeros(n))
         if params[0].dtype != torch.float32:
             bucket.master = torch.cat([p.detach().reshape(-1).float() for p in params])
-        for key in ("exp_avg", "exp_avg_sq", "anchor"):
+        keys = ["exp_avg", "exp_avg_sq", "anchor"]
+        if self.auto_exp_avg_mask or any(p in self._user_masks for p in params):
+            bucket.mask = torch.cat([self._user_masks[p].reshape(-1).to(torch.uint8) if p in self._user_masks
+                                     else torch.ones(p.numel(), dtype=torch.uint8) for p in params])
+            keys.append("mask")
+        for key in keys:
             flat = getattr(bucket, key)
             bucket.views[key] = [v.view_as(p) for v, p in zip(flat.split(numels), params)]
             for p, v in zip(params, bucket.views[key]):
-                self.state[p][key] = v
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
+                self.state[p]["exp_avg_mask" if key == "mask" else key] = v
+        if not self.auto_exp_avg_mask:  # with auto masks the anchor sums |ḡ| until the freeze
+            with torch.no_grad():
+                torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
         self._buckets.append(bucket)
         for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
             if self._scratch.get(key, torch.empty(0)).numel() < size:
@@ -449,7 +483,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         def fill(b, buf):
             buf[b.numel:].zero_()
             self._grads_into(b, buf)
-        return self._exchange_all(self._buckets, fill, self._write_grads)
+        def consume(b, w):
+            mask = self._mask_of(b)
+            if mask is not None:
+                w.mul_(mask)
+                b.exchange.mask_errors(mask)
+            self._write_grads(b, w)
+        return self._exchange_all(self._buckets, fill, consume)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -527,9 +567,24 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         counters["freeze_lr"] = float(self.param_groups[0]["lr"])
         for b in self._buckets:
             b.exchange.zero_errors()
+            if self.auto_exp_avg_mask:
+                b.mask.mul_(b.anchor != 0)
             b.anchor.copy_(self._load_x(b))
         for group in self.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
+
+    def _mask_of(self, b: _Bucket):
+        """The momentum mask in force for bucket ``b`` (None when there is none).
+
+        With ``auto_exp_avg_mask`` and before the freeze, coordinates whose averaged gradient
+        was exactly 0 in every VARIANCE step so far (the anchor buffer sums |ḡ| until then) are
+        masked too; at the freeze that pattern becomes permanent.
+        """
+        if b.mask is None:
+            return None
+        if self.auto_exp_avg_mask and self._counters["step"] < self.schedule.var_freeze_step:
+            return b.mask.bool() & (b.anchor != 0)
+        return b.mask
 
     def _load_x(self, b: _Bucket) -> torch.Tensor:
         """x as float32[n]: the fp32 params gathered, or the master weights of fp16/bf16 params.
@@ -553,7 +608,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             h = self._hyper(self.param_groups[b.group_index], step, k)
             self._grads_into(b, g, raw=not self._exchanged)
             x = self._load_x(b)
-            kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h)
+            if self.auto_exp_avg_mask:
+                b.anchor.add_(g[:b.numel].abs())
+            kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h, self._mask_of(b))
             self._scatter(x, b.params)
 
     def _compressed_step(self, step, k):
@@ -562,7 +619,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             h = self._hyper(self.param_groups[b.group_index], step, k)
             self._grads_into(b, g, raw=not self._exchanged)
             x = self._load_x(b)
-            kinds.momentum_step(x, g[:b.numel], b.exp_avg, kinds.adam_denom(b.exp_avg_sq, h), h)
+            kinds.momentum_step(x, g[:b.numel], b.exp_avg, kinds.adam_denom(b.exp_avg_sq, h), h, self._mask_of(b))
             self._scatter(x, b.params)
 
     def _local_update(self, b: _Bucket, h: kinds.Hyper, denom) -> torch.Tensor:
@@ -570,7 +627,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._grads_into(b, g)
         x = self._load_x(b)
         if bool(torch.isfinite(g[:b.numel]).all()):
-            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h)
+            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, self._mask_of(b))
         return x
 
     def _advance_window(self, step):
@@ -607,8 +664,11 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if group["decay_product"] != 1.0:
                 b.anchor.mul_(group["decay_product"])
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
+            mask = self._mask_of(b)
             kinds.sync_finish(x, b.anchor, b.exp_avg, denoms[id(b)], w, group["lr_sum"],
-                              self._hyper(group, step, k))
+                              self._hyper(group, step, k), mask)
+            if mask is not None:
+                b.exchange.mask_errors(mask)
             self._scatter(x, b.params)
 
         # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
@@ -650,7 +710,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master
         weights for fp16/bf16 parameters), ``error_buffers``,
         ``scratch`` (reused every step) and ``total``."""
-        state = sum((3 + (b.master is not None)) * 4 * b.numel for b in self._buckets)
+        state = sum((3 + (b.master is not None)) * 4 * b.numel + (b.mask is not None) * b.numel
+                    for b in self._buckets)
         errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self._buckets)
         scratch = sum(t.numel() * t.element_size() for t in self._scratch.values()) \
             + sum(b.exchange.memory_bytes()["scratch"] for b in self._buckets)
@@ -709,11 +770,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._pending = None
         super().load_state_dict(state_dict)
         for b in self._buckets:
-            for key in ("exp_avg", "exp_avg_sq", "anchor"):
+            for key in b.views:
+                skey = "exp_avg_mask" if key == "mask" else key
                 for p, view in zip(b.params, b.views[key]):
-                    if p in originals and key in originals[p]:
-                        view.copy_(originals[p][key].reshape(view.shape))
-                    self.state[p][key] = view
+                    if p in originals and skey in originals[p]:
+                        view.copy_(originals[p][skey].reshape(view.shape))
+                    self.state[p][skey] = view
         for group in self.param_groups:
             group.setdefault("lr_sum", 0.0)
             group.setdefault("decay_product", 1.0)
@@ -723,7 +785,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          op=None, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                          process_set=None, *, var_freeze_step=100000, var_update_scaler=16,
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
-                         bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048):
+                         bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
+                         exp_avg_mask=None, auto_exp_avg_mask=False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam optimizer that communicates
     through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
@@ -750,7 +813,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     ``bias_correction``, ``transport`` (``"auto"`` or ``"horovod"``), ``bucket_cap_mb``
     (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
     each tensor is cut into blocks of at most this many elements, each with its own scale;
-    ``None`` for one scale per tensor; a multiple of 8 or None).
+    ``None`` for one scale per tensor; a multiple of 8 or None), ``exp_avg_mask``
+    (``{param or name: 0/1 tensor of its shape}``: coordinates at 0 never move; sign
+    compression cannot send an exact 0, so a coordinate whose gradient is always 0 would
+    otherwise random-walk; DeepSpeed's group option ``exp_avg_mask`` works too), and
+    ``auto_exp_avg_mask`` (mask the coordinates whose averaged gradient was exactly 0 in
+    every VARIANCE step; costs one byte per element; safe when the zero pattern is fixed,
+    such as unused vocabulary rows or positions past the trained length, not for rows
+    that are only rarely used).
 
     Returns:
         A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
@@ -813,4 +883,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
         bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
-        scale_block_numel=scale_block_numel)
+        scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask))

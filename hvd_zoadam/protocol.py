@@ -72,6 +72,14 @@ class Exchange:
         errors = (self.worker_error.numel() + self.server_error.numel()) * 4
         return {"error_buffers": errors, "scratch": self._packed.numel() + self._server_msg.numel()}
 
+    def mask_errors(self, mask: torch.Tensor) -> None:
+        """Zero both error buffers where ``mask`` (bool[numel], bucket order) is False."""
+        self.worker_error[:self.numel].mul_(mask)
+        lo = self.transport.rank * self.chunk_numel
+        hi = min(self.numel, lo + self.chunk_numel)
+        if hi > lo:
+            self.server_error[:hi - lo].mul_(mask[lo:hi])
+
     def zero_errors(self) -> None:
         self.worker_error.zero_()
         self.server_error.zero_()
