@@ -124,7 +124,7 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", choices=["zoadam", "adam"], default="zoadam")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--summary", help="write the JSON summary here (rank 0)")
-    ap.add_argument("--log", help="append one JSON line per step here (rank 0)")
+    ap.add_argument("--step-log", help="append one JSON line per step here (rank 0): step, kind, lr, loss, bytes, rounds")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=60, help="LR warm-up steps")
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -194,7 +194,7 @@ def main(argv=None):
         bar = tqdm(total=args.steps, desc=f"{args.optimizer} P={world}", unit="step",
                    file=sys.stderr if tty else _Lines(sys.stderr), mininterval=0.1 if tty else 15, ascii=not tty)
     train_curve, val_curve, kinds = [], [], []
-    log = open(args.log, "a") if (args.log and rank == 0) else None
+    log = open(args.step_log, "a") if (args.step_log and rank == 0) else None
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = get_batch(train_data, args.batch_size, args.block_size, gen)

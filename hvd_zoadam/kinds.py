@@ -49,6 +49,15 @@ def adam_denom(exp_avg_sq: torch.Tensor, h: Hyper) -> torch.Tensor:
     return (exp_avg_sq.sqrt() / (h.bias_correction2 ** 0.5)).add_(h.eps)
 
 
+def normalized_gradient_bound(h: Hyper, exp_avg_sq_steps: int) -> float:
+    """max |g|/sqrt(v̂) once v has absorbed g: sqrt(1 − β2^(k+1)) / sqrt(1 − β2) (1/sqrt(1 − β2)
+    without bias correction). From v' = β2·v + (1 − β2)·g² >= (1 − β2)·g²."""
+    if h.beta2 == 0.0:
+        return 1.0
+    bc = 1 - h.beta2 ** (exp_avg_sq_steps + 1) if h.bias_correction else 1.0
+    return (bc / (1 - h.beta2)) ** 0.5
+
+
 def _l2(grad: torch.Tensor, param: torch.Tensor, h: Hyper) -> torch.Tensor:
     if h.weight_decay != 0 and not h.decoupled:
         return grad.add(param, alpha=h.weight_decay)
@@ -88,21 +97,34 @@ def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
     param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
 
 
-def sync_prepare(param, anchor, denom, decay_product: float, out) -> None:
-    """SYNC steps 2–3: replay the window's decay on the anchor, then u = (x_a − x)·s into ``out``."""
+def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned: bool = True) -> None:
+    """SYNC steps 2–3: replay the window's decay on the anchor, then the window's update into ``out``.
+
+    ``preconditioned`` (hvd_zoadam's default): u = x_a − x, in parameter units. Otherwise the
+    spec's u = (x_a − x)·s, in momentum units. The two carry the same information; they differ
+    in where the 1-bit compression error lands (see the README, "Compression domain").
+    """
     if decay_product != 1.0:
         anchor.mul_(decay_product)
-    torch.sub(anchor, param, out=out).mul_(denom)
+    torch.sub(anchor, param, out=out)
+    if not preconditioned:
+        out.mul_(denom)
 
 
-def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper, mask=None) -> None:
+def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper, mask=None,
+                preconditioned: bool = True) -> None:
     """SYNC steps 5–7: x ← x_a − w/s; m ← (1−β1^t)·w/Λ (so m̂ = w/Λ); x_a ← x.
 
+    With ``preconditioned`` w is in parameter units: x ← x_a − w and m ← (1−β1^t)·w·s/Λ.
     With a ``mask``, w is zeroed where it is False first: sign compression cannot send an
     exact 0, so masked coordinates would otherwise move by ±scale/s at every sync.
     """
     if mask is not None:
         w.mul_(mask)
-    torch.sub(anchor, w / denom, out=param)
-    torch.mul(w, h.bias_correction1 / lr_sum, out=exp_avg)
+    if preconditioned:
+        torch.sub(anchor, w, out=param)
+        torch.mul(w, denom, out=exp_avg).mul_(h.bias_correction1 / lr_sum)
+    else:
+        torch.sub(anchor, w / denom, out=param)
+        torch.mul(w, h.bias_correction1 / lr_sum, out=exp_avg)
     anchor.copy_(param)

@@ -54,9 +54,13 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
 
 
 def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
-                    eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048):
+                    eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
+                    precondition=True, auto_mask=True):
     """0/1 Adam (spec §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
+
+    ``precondition`` and ``auto_mask`` mirror the optimizer's ``precondition_compression``
+    and ``auto_exp_avg_mask``; with both False this is the spec's algorithm to the letter.
 
     Args:
         params: list of float32 tensors, the common initial x.
@@ -71,12 +75,13 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
     segments = scale_segments(numels, scale_block_numel)
     n = sum(numels)
     big_n = padded_numel(n, world_size)
+    chunk = big_n // world_size
     xs = [torch.cat([p.reshape(-1).float() for p in params]) for _ in range(world_size)]
     m = [torch.zeros(n) for _ in range(world_size)]
     v = torch.zeros(n)
     anchor = torch.zeros(n)
     we = [torch.zeros(big_n) for _ in range(world_size)]
-    se = [torch.zeros(big_n // world_size) for _ in range(world_size)]
+    se = [torch.zeros(chunk) for _ in range(world_size)]
     k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
 
     def flat_grads(t):
@@ -85,6 +90,31 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             views = [x.view_as(p) for x, p in zip(xs[r].split(numels), params)]
             out.append(torch.cat([g.reshape(-1).float() for g in grad_fn(t, r, views)]))
         return out
+
+    def adam_denom(k_):
+        bc2 = 1 - beta2 ** max(k_, 1) if bias_correction else 1.0
+        return (v.sqrt() / bc2 ** 0.5).add_(eps)
+
+    def bound(k_):  # kinds.normalized_gradient_bound
+        bc = 1 - beta2 ** (k_ + 1) if bias_correction else 1.0
+        return (bc / (1 - beta2)) ** 0.5
+
+    def mask_errors(mask):
+        for r in range(world_size):
+            we[r][:n].mul_(mask)
+            lo, hi = r * chunk, min(n, (r + 1) * chunk)
+            if hi > lo:
+                se[r][:hi - lo].mul_(mask[lo:hi])
+
+    def momentum(r, grad, denom, lr, bc1, mask):
+        if decoupled and weight_decay:
+            xs[r].mul_(1 - lr * weight_decay)
+        if weight_decay and not decoupled:
+            grad = grad.add(xs[r], alpha=weight_decay)
+        m[r].lerp_(grad, 1 - beta1)
+        if mask is not None:
+            m[r].mul_(mask)
+        xs[r].addcdiv_(m[r], denom, value=-lr / bc1)
 
     for t in range(1, steps + 1):
         lr = lr_fn(t)
@@ -97,35 +127,63 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
                 e.zero_()
             anchor = xs[0].clone()
         g = flat_grads(t)
+        mask = (v != 0) if auto_mask else None
         if kind is StepKind.VARIANCE:
             k += 1
             avg = sum(g[1:], g[0].clone()) / world_size
-            g = [avg] * world_size
-        elif kind is StepKind.COMPRESSED:
-            out = simulate_compressed_allreduce(g, we, se, segments)
-            g = [out] * world_size
-        bc2 = 1 - beta2 ** max(k, 1) if bias_correction else 1.0
-        for r in range(world_size):
-            if decoupled and weight_decay:
-                xs[r].mul_(1 - lr * weight_decay)
-            gr = g[r].add(xs[r], alpha=weight_decay) if (weight_decay and not decoupled) else g[r]
-            m[r].lerp_(gr, 1 - beta1)
-            if kind is StepKind.VARIANCE and r == 0:
-                v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
-        denom = (v.sqrt() / bc2 ** 0.5).add_(eps)
-        for r in range(world_size):
-            xs[r].addcdiv_(m[r], denom, value=-lr / bc1)
-        if kind in (StepKind.LOCAL, StepKind.SYNC):
-            lr_sum += lr
-            if decoupled and weight_decay:
-                decay *= 1 - lr * weight_decay
-        if kind is StepKind.SYNC and lr_sum > 0:
-            anchor.mul_(decay) if decay != 1.0 else None
-            u = [(anchor - x) * denom for x in xs]
-            w = simulate_compressed_allreduce(u, we, se, segments)
             for r in range(world_size):
-                xs[r] = anchor - w / denom
-                m[r] = w * (bc1 / lr_sum)
+                if decoupled and weight_decay:
+                    xs[r].mul_(1 - lr * weight_decay)
+                gr = avg.add(xs[r], alpha=weight_decay) if (weight_decay and not decoupled) else avg
+                m[r].lerp_(gr, 1 - beta1)
+                if r == 0:
+                    v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
+            denom = adam_denom(k)
+            for r in range(world_size):
+                xs[r].addcdiv_(m[r], denom, value=-lr / bc1)
+            continue
+        denom = adam_denom(k)
+        if kind is StepKind.COMPRESSED:
+            if world_size > 1:
+                if precondition:
+                    c = bound(k)
+                    g = [(gr / denom).clamp(-c, c) for gr in g]
+                out = simulate_compressed_allreduce(g, we, se, segments)
+                if precondition:
+                    out = out * denom
+                if mask is not None:
+                    out = out * mask
+                    mask_errors(mask)
+                g = [out] * world_size
+            for r in range(world_size):
+                momentum(r, g[r], denom, lr, bc1, mask)
+            continue
+        for r in range(world_size):  # LOCAL, and the local part of SYNC
+            if torch.isfinite(g[r]).all():
+                gr = g[r]
+                if precondition:
+                    b = denom * bound(k)
+                    gr = torch.maximum(torch.minimum(gr, b), -b)
+                momentum(r, gr, denom, lr, bc1, mask)
+        lr_sum += lr
+        if decoupled and weight_decay:
+            decay *= 1 - lr * weight_decay
+        if kind is StepKind.SYNC and lr_sum > 0:
+            if decay != 1.0:
+                anchor.mul_(decay)
+            u = [anchor - x if precondition else (anchor - x) * denom for x in xs]
+            w = simulate_compressed_allreduce(u, we, se, segments)
+            if mask is not None:
+                w = w * mask
+            for r in range(world_size):
+                if precondition:
+                    xs[r] = anchor - w
+                    m[r] = (w * denom) * (bc1 / lr_sum)
+                else:
+                    xs[r] = anchor - w / denom
+                    m[r] = w * (bc1 / lr_sum)
+            if mask is not None:
+                mask_errors(mask)
             anchor = xs[0].clone()
             lr_sum, decay = 0.0, 1.0
     return [[x.view_as(p).clone() for x, p in zip(xr.split(numels), params)] for xr in xs], kinds

@@ -14,7 +14,7 @@ def test_train_lm_runs_under_horovodrun_and_writes_its_summary(tmp_path):
               "--var-update-scaler", "1", "--local-step-scaler", "2", "--local-step-clipper", "2"]
     for opt in ("zoadam", "adam"):
         run_job("gloo", 2, ["examples/train_lm.py", "--optimizer", opt, "--summary", str(tmp_path / f"{opt}.json"),
-                            "--log", str(tmp_path / f"{opt}.jsonl"), *common], timeout_s=180)
+                            "--step-log", str(tmp_path / f"{opt}.jsonl"), *common], timeout_s=180)
     z = json.loads((tmp_path / "zoadam.json").read_text())
     a = json.loads((tmp_path / "adam.json").read_text())
     for s in (z, a):
@@ -47,3 +47,26 @@ def test_info_reports_the_environment():
     text = subprocess.run([sys.executable, "-m", "hvd_zoadam.info"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120).stdout
     assert "Available Controllers" in text and "transport='auto' picks" in text
+
+
+def test_train_digits_runs_and_learns(tmp_path):
+    run_job("gloo", 2, ["examples/train_digits.py", "--steps", "150", "--summary", str(tmp_path / "d.json")],
+            timeout_s=180)
+    s = json.loads((tmp_path / "d.json").read_text())
+    assert s["test_accuracy"] > 0.85 and s["comm_stats"]["sync"]["steps"] > 0
+
+
+def test_amp_example_runs_with_bf16_autocast_on_cpu():
+    proc = run_job("gloo", 2, ["examples/amp.py", "--steps", "40"], timeout_s=180)
+    line = next(x for x in proc.stdout.splitlines() if "final_loss" in x)
+    s = json.loads(line.split(":", 1)[1] if line.startswith("[") else line)
+    assert s["device"] == "cpu" and s["autocast"] == "torch.bfloat16" and s["param_dtype"] == "torch.float32"
+    assert s["final_loss"] < 1.0
+
+
+def test_slurm_scripts_are_valid_bash_and_launch_the_main_job():
+    for name in ("srun.sbatch", "mpirun.sbatch"):
+        path = ROOT / "examples" / "slurm" / name
+        assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+        text = path.read_text()
+        assert "#SBATCH --ntasks-per-node" in text and "examples/train_lm.py --optimizer zoadam" in text

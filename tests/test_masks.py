@@ -62,9 +62,17 @@ def test_masked_coordinates_never_move_and_the_rest_learns(how):
             assert torch.isfinite(b.exchange.worker_error).all()
 
 
-def test_without_a_mask_unused_rows_random_walk():
-    for start, end, _, _ in run_threads(2, lambda r, t: train(r, t)):
+@pytest.mark.parametrize("precondition", [True, False])
+def test_without_a_mask_unused_rows_random_walk(precondition):
+    """What the masks are for: with the automatic mask off, sign compression moves unused rows."""
+    kw = dict(auto_exp_avg_mask=False, precondition_compression=precondition)
+    for start, end, _, _ in run_threads(2, lambda r, t: train(r, t, lambda m: kw)):
         assert not torch.equal(end[10:], start[10:])
+
+
+def test_the_automatic_mask_is_on_by_default():
+    for start, end, _, opt in run_threads(2, lambda r, t: train(r, t)):
+        assert opt.auto_exp_avg_mask and torch.equal(end[10:], start[10:])
 
 
 def test_mask_arguments_are_checked():

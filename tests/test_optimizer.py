@@ -54,12 +54,16 @@ def train_threads(p, steps, cls=torch.optim.Adam, wd=0.0, lr_fn=None, record=Fal
 
 @pytest.mark.parametrize("p", [1, 2, 3])
 @pytest.mark.parametrize("cls, wd", [(torch.optim.Adam, 0.0), (torch.optim.Adam, 0.05), (torch.optim.AdamW, 0.05)])
-def test_equals_the_simulation_bitwise(p, cls, wd):
+@pytest.mark.parametrize("spec_raw", [False, True], ids=["default", "spec-raw"])
+def test_equals_the_simulation_bitwise(p, cls, wd, spec_raw):
+    """The product against the plain-loop oracle, in hvd_zoadam's default mode and in the spec's raw mode."""
     steps = 26
-    got = train_threads(p, steps, cls, wd)
+    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
+    got = train_threads(p, steps, cls, wd, **flags)
     params0 = [q.detach().clone() for q in common.mlp().parameters()]
     want, kinds = simulate_zoadam(params0, common.grads_at, world_size=p, steps=steps, schedule=Schedule(**KNOBS),
-                                  lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW)
+                                  lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,
+                                  precondition=not spec_raw, auto_mask=not spec_raw)
     assert {k for k in kinds} == set(StepKind)
     for r in range(p):
         for a, b in zip(got[r][0], want[r]):
