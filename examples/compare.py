@@ -40,7 +40,7 @@ def main(argv=None):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 4))
         for r in runs:
             curve = r["train_curve"]
             k = 10
@@ -48,6 +48,9 @@ def main(argv=None):
                       for i in range(len(curve))]
             ax1.plot(range(1, len(curve) + 1), smooth, label=f"{r['optimizer']} train (10-step mean)")
             ax1.plot(*zip(*r["val_curve"]), "o-", label=f"{r['optimizer']} validation")
+            if "bytes_curve" in r:
+                ax3.plot(range(1, len(r["bytes_curve"]) + 1), [b / 2 ** 20 for b in r["bytes_curve"]],
+                         label=r["optimizer"])
             if "kinds" in r and r["optimizer"] == "zoadam":
                 kinds = r["kinds"]
                 for name, color in (("variance", "tab:red"), ("compressed", "tab:orange"),
@@ -60,6 +63,11 @@ def main(argv=None):
         ax1.legend()
         ax2.set_xlabel("step")
         ax2.set_title("0/1 Adam step kinds")
+        ax3.set_xlabel("step")
+        ax3.set_ylabel("MiB sent per rank (cumulative)")
+        ax3.set_yscale("log")
+        ax3.set_title("communication")
+        ax3.legend()
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")

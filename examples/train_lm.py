@@ -138,6 +138,7 @@ def parse_args(argv=None):
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--tensorboard", help="write TensorBoard scalars here (rank 0), when tensorboard is installed")
     ap.add_argument("--var-freeze-step", type=int, default=None, help="default: --warmup (paper §4)")
     ap.add_argument("--var-update-scaler", type=int, default=4)
     ap.add_argument("--local-step-scaler", type=int, default=40)
@@ -193,7 +194,15 @@ def main(argv=None):
         # horovodrun forwards the ranks' output line by line: give it lines, not carriage returns
         bar = tqdm(total=args.steps, desc=f"{args.optimizer} P={world}", unit="step",
                    file=sys.stderr if tty else _Lines(sys.stderr), mininterval=0.1 if tty else 15, ascii=not tty)
-    train_curve, val_curve, kinds = [], [], []
+    train_curve, val_curve, kinds, bytes_curve = [], [], [], []
+    writer = None
+    if args.tensorboard and rank == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(args.tensorboard)
+        except ImportError:
+            print("--tensorboard: torch.utils.tensorboard needs the tensorboard package; continuing without it",
+                  file=sys.stderr)
     log = open(args.step_log, "a") if (args.step_log and rank == 0) else None
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -208,11 +217,19 @@ def main(argv=None):
         train_curve.append(loss.item())
         kinds.append(kind)
         sent, rounds = comm()
+        bytes_curve.append(sent)
+        if writer:
+            writer.add_scalar("loss/train", loss.item(), step)
+            writer.add_scalar("lr", lr, step)
+            writer.add_scalar("comm/bytes_sent", sent, step)
+            writer.add_scalar("comm/rounds", rounds, step)
         if log:
             log.write(json.dumps({"step": step, "kind": kind, "lr": lr, "loss": loss.item(),
                                   "bytes_sent": sent, "rounds": rounds}) + "\n")
         if step % args.eval_interval == 0 or step == args.steps:
             val_curve.append((step, evaluate(model, val_data, args)))
+            if writer:
+                writer.add_scalar("loss/val", val_curve[-1][1], step)
         if bar:
             bar.set_postfix(loss=f"{loss.item():.3f}", sent=f"{sent / 2 ** 20:.1f}MiB", kind=kind, refresh=False)
             bar.update()
@@ -230,9 +247,10 @@ def main(argv=None):
     summary = {"optimizer": args.optimizer, "world_size": world, "steps": args.steps,
                "params": n_params, "final_train_loss": final_train, "final_val_loss": val_curve[-1][1],
                "wall_s": wall, "steps_per_s": args.steps / wall, "comm_stats": stats,
-               "train_curve": train_curve, "val_curve": val_curve, "kinds": kinds, "args": vars(args)}
+               "train_curve": train_curve, "val_curve": val_curve, "kinds": kinds, "bytes_curve": bytes_curve,
+               "args": vars(args)}
     if rank == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k not in ("train_curve", "kinds")}))
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("train_curve", "kinds", "bytes_curve")}))
         if args.summary:
             os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
             tmp = args.summary + ".tmp"
@@ -241,6 +259,8 @@ def main(argv=None):
             os.replace(tmp, args.summary)
     if log:
         log.close()
+    if writer:
+        writer.close()
 
 
 if __name__ == "__main__":

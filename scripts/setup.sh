@@ -54,9 +54,9 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
 fi
 
 # 4. Python deps (numba, mpi4py, tests, demo).
-if ! "$VPY" -c 'import numba, mpi4py, pytest, hypothesis, tqdm, matplotlib, psutil, cloudpickle' >/dev/null 2>&1; then
+if ! "$VPY" -c 'import numba, mpi4py, pytest, hypothesis, tqdm, matplotlib, psutil, cloudpickle, tensorboard, sklearn' >/dev/null 2>&1; then
   log "installing numba, mpi4py and test/demo dependencies"
-  "$PIP" install -q 'numba>=0.60' mpi4py pytest pytest-timeout hypothesis tqdm matplotlib \
+  "$PIP" install -q 'numba>=0.60' mpi4py pytest pytest-timeout hypothesis tqdm matplotlib tensorboard \
       scikit-learn 'cmake<4' packaging psutil cloudpickle pyyaml cffi
 fi
 

@@ -14,7 +14,10 @@ def test_train_lm_runs_under_horovodrun_and_writes_its_summary(tmp_path):
               "--var-update-scaler", "1", "--local-step-scaler", "2", "--local-step-clipper", "2"]
     for opt in ("zoadam", "adam"):
         run_job("gloo", 2, ["examples/train_lm.py", "--optimizer", opt, "--summary", str(tmp_path / f"{opt}.json"),
-                            "--step-log", str(tmp_path / f"{opt}.jsonl"), *common], timeout_s=180)
+                            "--step-log", str(tmp_path / f"{opt}.jsonl"), "--tensorboard", str(tmp_path / f"tb-{opt}"),
+                            *common], timeout_s=180)
+    events = list((tmp_path / "tb-zoadam").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 200
     z = json.loads((tmp_path / "zoadam.json").read_text())
     a = json.loads((tmp_path / "adam.json").read_text())
     for s in (z, a):
@@ -22,6 +25,7 @@ def test_train_lm_runs_under_horovodrun_and_writes_its_summary(tmp_path):
                 "comm_stats"} <= set(s)
         assert s["world_size"] == 2 and s["steps"] == 12 and 0 < s["final_val_loss"] < 4.5
     assert set(z["kinds"]) == {"variance", "compressed", "local", "sync"}
+    assert len(z["bytes_curve"]) == 12 and z["bytes_curve"][-1] == z["comm_stats"]["bytes_sent_total"]
     assert z["comm_stats"]["bytes_sent_total"] < z["comm_stats"]["adam_equivalent_bytes"]
     assert a["comm_stats"]["bytes_sent_total"] == z["comm_stats"]["adam_equivalent_bytes"]
     lines = [json.loads(x) for x in (tmp_path / "zoadam.jsonl").read_text().splitlines()]
