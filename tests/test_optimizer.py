@@ -471,3 +471,29 @@ def test_two_optimizers_over_one_model():
     opt_b.step()  # only B steps: A's gradients were computed and never consumed
     with pytest.raises(AssertionError, match=r"parameter 'a\.(weight|bias)'"):
         model(torch.ones(2, 4)).sum().backward()
+
+
+def test_a_gradient_missing_on_one_rank_counts_as_zero():
+    """Spec §5: a parameter with no gradient on some rank takes part as zeros, in lockstep."""
+    def grads(step, rank, xs):
+        full = common.grads_at(step, rank, xs)
+        if rank == 1:
+            full[2] = torch.zeros_like(full[2])  # the second layer's weight gets no gradient on rank 1
+        return full
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport)
+        for t in range(1, 15):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            if rank == 1:
+                model[2].weight.grad = None
+            opt.step()
+        return [q.detach().clone() for q in model.parameters()]
+    got = run_threads(2, body)
+    params0 = [q.detach().clone() for q in common.mlp().parameters()]
+    want, _ = simulate_zoadam(params0, grads, world_size=2, steps=14, schedule=Schedule(**KNOBS),
+                              lr_fn=lambda t: common.LR)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
