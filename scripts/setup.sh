@@ -23,8 +23,6 @@ need_apt=()
 command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(find /usr/lib /usr/include -name mpi.h -path '*openmpi*' 2>/dev/null | head -1)" ] || need_apt+=(libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
-command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
-command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
