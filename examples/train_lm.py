@@ -143,7 +143,7 @@ def parse_args(argv=None):
     ap.add_argument("--var-update-scaler", type=int, default=4)
     ap.add_argument("--local-step-scaler", type=int, default=40)
     ap.add_argument("--local-step-clipper", type=int, default=8)
-    ap.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default="steps")
+    ap.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default="lr")
     return ap.parse_args(argv)
 
 
