@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import warnings
 import weakref
@@ -135,7 +136,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                  compression, backward_passes_per_step: int, gradient_predivide_factor: float,
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
                  scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
-                 precondition_compression: bool = True):
+                 precondition_compression: bool = True, step_log: str | None = None):
         self._ready = False
         super().__init__(optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
@@ -150,6 +151,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.scale_block_numel = scale_block_numel
         self.auto_exp_avg_mask = auto_exp_avg_mask
         self.precondition_compression = precondition_compression
+        self._step_log = None
+        if step_log is not None and ("{rank}" in step_log or transport.rank == 0):
+            self._step_log = step_log.format(rank=transport.rank)
+        self._loss = None
         self._user_masks = {}  # param -> mask tensor, resolved from exp_avg_mask after naming
         self._names = self._name_parameters(named_parameters)
         self._uid = self._collective_prefix()
@@ -584,6 +589,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
              StepKind.LOCAL: self._local_step, StepKind.SYNC: self._sync_step}[kind](step, k)
         self._record(kind, skip)
         counters.update(step=step, exp_avg_sq_steps=k)
+        if self._step_log:
+            self._write_step_log(step, kind, skip, loss)
         for p in self._passes:
             self._passes[p] = 0
         return loss
@@ -718,6 +725,20 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._adam_equivalent_bytes += 2 * (p - 1) / p * 4 * n
         self._stats_extra["adam_equivalent_bytes"] = int(round(self._adam_equivalent_bytes))
 
+    def log_loss(self, loss) -> None:
+        """Give the coming step's loss (a float or 0-dim tensor) to the per-step log."""
+        self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+    def _write_step_log(self, step, kind, skip, loss) -> None:
+        stats = self.comm_stats()
+        if loss is not None:
+            self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        record = {"step": step, "kind": kind.value, "lr": float(self.param_groups[0]["lr"]), "loss": self._loss,
+                  "skipped": skip, "bytes_sent": stats["bytes_sent_total"], "rounds": stats["rounds_total"]}
+        self._loss = None
+        with open(self._step_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     # -- reporting -----------------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """What this rank communicated so far.
@@ -816,7 +837,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          process_set=None, *, var_freeze_step=100000, var_update_scaler=16,
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
                          bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
-                         exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True):
+                         exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
+                         step_log=None):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam optimizer that communicates
     through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
@@ -856,7 +878,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     (default True: compress g/s and x_a − x instead of the spec's g and (x_a − x)·s, so each
     coordinate's compression error is proportional to its own Adam denominator s; with False
     a coordinate with a small v receives the block's error divided by its small s, which made
-    a small CNN diverge here).
+    a small CNN diverge here), and ``step_log`` (a path: append one JSON line per step with
+    step, kind, lr, loss (from ``step(closure)`` or :meth:`ZeroOneAdamOptimizer.log_loss`),
+    skipped, and the cumulative bytes sent and rounds; rank 0 only unless the path holds
+    ``{rank}``).
 
     Returns:
         A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
@@ -920,4 +945,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
         bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
         scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask),
-        precondition_compression=bool(precondition_compression))
+        precondition_compression=bool(precondition_compression), step_log=step_log)

@@ -497,3 +497,28 @@ def test_a_gradient_missing_on_one_rank_counts_as_zero():
                               lr_fn=lambda t: common.LR)
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
+
+
+def test_step_log_writes_one_json_line_per_step(tmp_path):
+    import json
+    log = tmp_path / "steps-{rank}.jsonl"
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport, step_log=str(log))
+        for t in range(1, 11):
+            opt.zero_grad()
+            loss = common.loss_fn(model, t, rank)
+            loss.backward()
+            opt.log_loss(loss)
+            opt.step()
+        return opt.comm_stats()
+    stats = run_threads(2, body)
+    for r in range(2):
+        lines = [json.loads(x) for x in (tmp_path / f"steps-{r}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(1, 11))
+        assert [x["kind"] for x in lines[:6]] == ["variance", "variance", "compressed", "variance", "compressed",
+                                                  "variance"]
+        assert all(isinstance(x["loss"], float) and x["lr"] == common.LR and x["skipped"] is False for x in lines)
+        assert lines[-1]["bytes_sent"] == stats[r]["bytes_sent_total"] and lines[-1]["rounds"] == stats[r]["rounds_total"]
+        assert all(a["bytes_sent"] <= b["bytes_sent"] for a, b in zip(lines, lines[1:]))
