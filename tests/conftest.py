@@ -1,14 +1,16 @@
-"""Shared fixtures: launching real multi-process jobs with a timeout."""
+"""Shared helpers: real multi-process jobs with a timeout, and P thread-ranks in one process."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from hvd_zoadam.transport import ThreadGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -57,3 +59,32 @@ def load_ranks(out_dir: Path, np_: int) -> list[dict]:
 
 def have_mpirun() -> bool:
     return shutil.which("mpirun") is not None
+
+def run_threads(world_size: int, fn, timeout_s: float = 60.0) -> list:
+    """Run ``fn(rank, transport)`` on ``world_size`` thread-ranks; return their results in rank order.
+
+    An exception on any rank is re-raised here (the others are released by the barrier timeout).
+    """
+    group = ThreadGroup(world_size, timeout_s=timeout_s)
+    results, errors = [None] * world_size, [None] * world_size
+
+    def body(rank, transport):
+        try:
+            results[rank] = fn(rank, transport)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors[rank] = exc
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r, t), daemon=True) for r, t in enumerate(group.transports())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+        if t.is_alive():
+            raise TimeoutError(f"a thread-rank did not finish within {timeout_s}s")
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if real:
+        raise real[0]
+    if any(errors):
+        raise next(e for e in errors if e is not None)
+    return results

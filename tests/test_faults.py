@@ -9,7 +9,7 @@ import torch
 
 import hvd_zoadam
 from hvd_zoadam import StepKind
-from helpers import run_threads
+from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hvd_zoadam
-from helpers import run_threads
+from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402

@@ -15,7 +15,7 @@ import hvd_zoadam
 from hvd_zoadam import Schedule, StepKind
 from hvd_zoadam.simulate import simulate_zoadam
 from hvd_zoadam.transport import ThreadGroup
-from helpers import run_threads
+from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402

@@ -10,7 +10,7 @@ from hvd_zoadam.layout import segment_offsets
 from hvd_zoadam.native import reference
 from hvd_zoadam.protocol import Exchange
 from hvd_zoadam.simulate import simulate_compressed_allreduce
-from helpers import run_threads
+from conftest import run_threads
 
 
 def _inputs(n, p, seed=0):
