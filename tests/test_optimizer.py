@@ -522,3 +522,42 @@ def test_step_log_writes_one_json_line_per_step(tmp_path):
         assert all(isinstance(x["loss"], float) and x["lr"] == common.LR and x["skipped"] is False for x in lines)
         assert lines[-1]["bytes_sent"] == stats[r]["bytes_sent_total"] and lines[-1]["rounds"] == stats[r]["rounds_total"]
         assert all(a["bytes_sent"] <= b["bytes_sent"] for a, b in zip(lines, lines[1:]))
+
+
+@pytest.mark.parametrize("variant", ["A", "B"])
+def test_accumulation_window_that_does_not_divide_the_epoch(variant):
+    """BH-16: backward_passes_per_step=4, 10 micro-batches per epoch, 2 epochs. Gradients of the
+    passes made are summed (torch and Horovod semantics), so a partial window of 2 passes steps
+    with 2g; variant B drops the partial window with zero_grad()."""
+    def grad_of(model):
+        return [torch.full_like(q, 0.25) for q in model.parameters()]
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport, backward_passes_per_step=4, var_freeze_step=3)
+        ref = common.mlp()
+        ref_opt = make(ref, ThreadGroup(1).transports()[0], var_freeze_step=3)
+        seen = []
+        for _ in range(2):
+            for i in range(10):
+                (sum((q * g).sum() for q, g in zip(model.parameters(), grad_of(model)))).backward()
+                passes = i % 4 + 1
+                if passes == 4 or (variant == "A" and i == 9):
+                    seen.append(torch.cat([q.grad.reshape(-1) for q in model.parameters()]).clone())
+                    opt.step()
+                    opt.zero_grad()
+                    for q, g in zip(ref.parameters(), grad_of(ref)):
+                        q.grad = g * passes
+                    ref_opt.step()
+            if variant == "B":
+                opt.zero_grad()
+        return opt.schedule_state()["step"], seen, [q.detach().clone() for q in model.parameters()], \
+            [q.detach().clone() for q in ref.parameters()]
+    for steps, seen, got, want in run_threads(2, body):
+        assert steps == (6 if variant == "A" else 4)
+        if variant == "A":
+            assert torch.allclose(seen[2], torch.full_like(seen[2], 0.5))  # the partial window: 2 passes x 0.25
+        assert all(torch.allclose(s, torch.full_like(s, 1.0)) for k, s in enumerate(seen) if k % 3 != 2
+                   or variant == "B")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
