@@ -140,7 +140,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--tensorboard", help="write TensorBoard scalars here (rank 0), when tensorboard is installed")
     ap.add_argument("--var-freeze-step", type=int, default=None, help="default: --warmup (paper §4)")
-    ap.add_argument("--var-update-scaler", type=int, default=4)
+    ap.add_argument("--var-update-scaler", type=int, default=8)
     ap.add_argument("--local-step-scaler", type=int, default=40)
     ap.add_argument("--local-step-clipper", type=int, default=8)
     ap.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default="lr")
