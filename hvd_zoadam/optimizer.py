@@ -236,9 +236,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         layout = [(i, self._names[p], tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups)
                   for p in g["params"] if p.requires_grad]
         digest = hashlib.sha1(repr((layout, self.transport.world_size)).encode()).hexdigest()[:10]
-        count = _prefix_counts.get(digest, 0)
-        _prefix_counts[digest] = count + 1
-        return f"{digest}.{count}"
+        if not hasattr(self, "_uid_count"):
+            self._uid_count = _prefix_counts.get(digest, 0)
+            _prefix_counts[digest] = self._uid_count + 1
+        return f"{digest}.{self._uid_count}"
 
     def _build_group(self, index: int) -> None:
         group = self.param_groups[index]
@@ -422,11 +423,49 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         items["buckets"] = len(self._buckets)
         return items
 
+    # -- elastic -------------------------------------------------------------------------------
+    def on_reset(self) -> None:
+        """Re-lay out this rank's world-size-dependent state for the current Horovod world.
+
+        For ``hvd.elastic.run``: after a reset (``hvd.shutdown(); hvd.init()``) the world size
+        and this process's rank may differ. Every bucket gets a new exchange plan and new,
+        zeroed ``worker_error`` float32[padded_numel(n, P)] and ``server_error``
+        float32[padded_numel(n, P) // P] (error feedback restarts, as after a resume on
+        another world size); m, v, the anchor, the window and the schedule counters are
+        untouched (``state.sync()`` broadcasts them from rank 0 right after). The settings
+        and layout check of the first step runs again, on every rank. A half-done step
+        (counted backward passes, a prepared exchange) is dropped.
+
+        ``hvd.elastic.TorchState`` calls this from its ``sync()`` on every rank (hvd_zoadam
+        registers a state handler for its optimizer); :meth:`step` also calls it when it
+        finds the world size or rank changed. Collectives: none.
+        """
+        self.transport.refresh()
+        self.world_size = self.transport.world_size
+        self._uid = self._collective_prefix()
+        for i, b in enumerate(self._buckets):
+            numels = [p.numel() for p in b.params]
+            b.exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport,
+                                  f"zoadam.{self._uid}.b{i}")
+            if self._scratch["g"].numel() < b.exchange.padded_numel:
+                self._scratch["g"] = torch.zeros(b.exchange.padded_numel)
+        self._checked_layout = False
+        self._pending = None
+        self._synchronized = False
+        self._exchanged = False
+        for p in self._passes:
+            self._passes[p] = 0
+
     # -- Horovod's contract --------------------------------------------------------------------
     def synchronize(self) -> None:
         """Run the gradient exchange of the coming step (see the class docstring). Idempotent per step."""
         if self._pending is not None:
             return
+        if self.transport.refresh():
+            # An elastic reset without hvd.elastic.TorchState: re-lay out here (collective-free).
+            passes = dict(self._passes)
+            self.on_reset()
+            self._passes.update(passes)
         step, kind = self._next_kind()
         self._check_params_unchanged()
         if not self._checked_layout:
@@ -894,6 +933,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     """
     import horovod.torch as hvd
 
+    from .elastic import register_state_handler
+    register_state_handler()
     if isinstance(optimizer, ZeroOneAdamOptimizer):
         raise TypeError("this optimizer is already an hvd_zoadam optimizer; wrap the plain torch.optim.Adam once")
     if type(optimizer).__module__ == "horovod.torch.optimizer":

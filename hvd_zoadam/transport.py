@@ -74,6 +74,10 @@ class Transport:
         self.world_size = world_size
         self.counter = CommCounter()
 
+    def refresh(self) -> bool:
+        """Re-read rank and world size after an elastic reset; True when they changed."""
+        return False
+
     def _count(self, op: str, tensor: torch.Tensor):
         p = self.world_size
         if p == 1:
@@ -122,6 +126,14 @@ class HorovodTransport(Transport):
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         super().__init__(self.process_set.rank(), self.process_set.size())
+
+    def refresh(self) -> bool:
+        """Re-read rank and world size from Horovod (they change when an elastic job resets).
+        Returns True when either changed."""
+        rank, size = self.process_set.rank(), self.process_set.size()
+        changed = (rank, size) != (self.rank, self.world_size)
+        self.rank, self.world_size = rank, size
+        return changed
 
     def _wait(self, handle, op: str, name: str, nbytes: int):
         from horovod.common.exceptions import HorovodInternalError

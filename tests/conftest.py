@@ -40,9 +40,13 @@ def launch_cmd(launcher: str, np_: int, argv: list[str]) -> list[str]:
 def run_job(launcher: str, np_: int, argv: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None,
             check: bool = True) -> subprocess.CompletedProcess:
     """Run a multi-process job; fail the test (not hang) past ``timeout_s`` seconds."""
+    return run_cmd(launch_cmd(launcher, np_, argv), timeout_s, env, check)
+
+
+def run_cmd(cmd: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a launcher command line in the repository root; fail the test (not hang) past ``timeout_s``."""
     full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", **(env or {}))
-    cmd = launch_cmd(launcher, np_, argv)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s,
                               start_new_session=True)

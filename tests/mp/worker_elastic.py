@@ -1,0 +1,75 @@
+"""Elastic job for tests/test_elastic.py: hvd.elastic.run + TorchState, growing from 2 to 3 ranks.
+
+argv: OUT_DIR HOSTS_FILE STEPS GROW_AT. Rank 0 writes ``localhost:3`` into HOSTS_FILE (read by
+the host-discovery script) after step GROW_AT; while the world is still at 2 after that, every
+rank waits a little per step so the driver's notice arrives well before the end. Each process
+writes OUT_DIR/pid<pid>.json: one record per step it ran (world size, rank, kind, schedule
+state, error-buffer sizes, a digest of the parameters and of exp_avg).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hvd_zoadam  # noqa: E402
+from common import loss_fn, mlp  # noqa: E402
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    out_dir, hosts_file = Path(sys.argv[1]), Path(sys.argv[2])
+    steps, grow_at = int(sys.argv[3]), int(sys.argv[4])
+    hvd.init()
+    torch.set_num_threads(1)
+    model = mlp()
+    # The optimizer is built before the first sync and must run no collective here.
+    opt = hvd_zoadam.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), named_parameters=model.named_parameters(),
+        var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    records = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.batch < steps:
+            step = state.batch
+            opt.zero_grad()
+            loss_fn(model, step, hvd.rank()).backward()
+            opt.step()
+            sched = opt.schedule_state()
+            records.append({
+                "step": step, "world": hvd.size(), "rank": hvd.rank(), "kind": opt.schedule.kind(sched["step"]).value,
+                "schedule": sched,
+                "worker_error": [b.exchange.worker_error.numel() for b in opt._buckets],
+                "server_error": [b.exchange.server_error.numel() for b in opt._buckets],
+                "numel": [b.numel for b in opt._buckets],
+                "params": digest(model.parameters()),
+                "exp_avg": digest(opt.state[p]["exp_avg"] for p in model.parameters()),
+            })
+            if step == grow_at and hvd.rank() == 0:
+                hosts_file.write_text("localhost:3\n")
+            if step >= grow_at and hvd.size() < 3:
+                time.sleep(0.5)
+            state.batch = step + 1
+            state.commit()
+
+    train(state)
+    (out_dir / f"pid{os.getpid()}.json").write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Issue 5, elastic: hvd.elastic.run + TorchState, a job that grows from 2 to 3 ranks mid-run.
+
+horovodrun --gloo --min-np 2 --max-np 3 with a host-discovery script that reads a file; rank 0
+of the job rewrites the file from ``localhost:2`` to ``localhost:3`` after step GROW_AT. The
+reset lands mid-window (after the freeze, between syncs). After it, every rank must report
+the same schedule, hold error buffers sized for P = 3, leave identical parameters and
+exp_avg after every sync, and the job must end (rc 0) within the timeout.
+"""
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from collections import defaultdict
+
+from conftest import BIN, ROOT, run_cmd
+
+from hvd_zoadam import padded_numel
+
+STEPS, GROW_AT = 30, 8
+
+
+def test_elastic_job_grows_from_two_to_three_ranks(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--network-interfaces", "lo", "--gloo",
+           sys.executable, str(ROOT / "tests/mp/worker_elastic.py"), str(out), str(hosts), str(STEPS), str(GROW_AT)]
+    run_cmd(cmd, timeout_s=240)
+
+    runs = [json.loads(f.read_text()) for f in sorted(out.glob("pid*.json"))]
+    assert len(runs) == 3, "expected two first workers and one that joined"
+    assert sorted(len(r) for r in runs)[-2:] == [STEPS, STEPS]   # the first two ran every step
+    joined = min(runs, key=len)
+    assert joined[0]["world"] == 3 and joined[-1]["step"] == STEPS - 1
+    by_step = defaultdict(list)
+    for run in runs:
+        for rec in run:
+            by_step[rec["step"]].append(rec)
+    grown = [s for s in sorted(by_step) if len(by_step[s]) == 3]
+    assert grown and grown[0] > GROW_AT and grown[-1] == STEPS - 1
+    for s in grown:
+        recs = by_step[s]
+        assert {r["world"] for r in recs} == {3}
+        assert sorted(r["rank"] for r in recs) == [0, 1, 2]
+        # the same step, phase and intervals everywhere
+        assert all(r["schedule"] == recs[0]["schedule"] for r in recs), s
+        assert all(r["kind"] == recs[0]["kind"] for r in recs)
+        for r in recs:   # error buffers re-laid out for P = 3
+            assert r["worker_error"] == [padded_numel(n, 3) for n in r["numel"]]
+            assert r["server_error"] == [padded_numel(n, 3) // 3 for n in r["numel"]]
+        if recs[0]["kind"] == "sync":
+            assert len({r["params"] for r in recs}) == 1, f"params differ after the sync at step {s}"
+            assert len({r["exp_avg"] for r in recs}) == 1, f"exp_avg differs after the sync at step {s}"
+    syncs = [s for s in grown if by_step[s][0]["kind"] == "sync"]
+    assert len(syncs) >= 3
+    # local steps do drift per rank after the reset (the test would pass vacuously otherwise)
+    locals_ = [s for s in grown if by_step[s][0]["kind"] == "local"]
+    assert any(len({r["params"] for r in by_step[s]}) == 3 for s in locals_)
+    # before the reset: two ranks, P = 2 buffers
+    for s in range(GROW_AT + 1):
+        assert [r["world"] for r in by_step[s]] == [2, 2]
+        assert by_step[s][0]["worker_error"] == [padded_numel(n, 2) for n in by_step[s][0]["numel"]]
