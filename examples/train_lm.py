@@ -25,6 +25,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -144,6 +145,8 @@ def parse_args(argv=None):
     ap.add_argument("--local-step-scaler", type=int, default=40)
     ap.add_argument("--local-step-clipper", type=int, default=8)
     ap.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default="lr")
+    ap.add_argument("--scale-block-numel", type=int, default=256,
+                    help="elements per 1-bit scale (hvd_zoadam's scale_block_numel)")
     return ap.parse_args(argv)
 
 
@@ -172,7 +175,7 @@ def main(argv=None):
             inner, named_parameters=model.named_parameters(),
             var_freeze_step=args.var_freeze_step or args.warmup, var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
-            local_step_policy=args.local_step_policy)
+            local_step_policy=args.local_step_policy, scale_block_numel=args.scale_block_numel)
     else:
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
@@ -244,7 +247,10 @@ def main(argv=None):
     else:
         stats = {"bytes_sent_total": sent, "rounds_total": rounds, "adam_equivalent_bytes": sent,
                  "transport": "horovod allreduce", "world_size": world}
-    summary = {"optimizer": args.optimizer, "world_size": world, "steps": args.steps,
+    # where the ranks ran (hostname, network namespace inode): shows a multi-host launch really spread out
+    placement = hvd.allgather_object({"hostname": socket.gethostname(),
+                                      "netns": os.stat("/proc/self/ns/net").st_ino if os.path.exists("/proc/self/ns/net") else None})
+    summary = {"optimizer": args.optimizer, "world_size": world, "steps": args.steps, "placement": placement,
                "params": n_params, "final_train_loss": final_train, "final_val_loss": val_curve[-1][1],
                "wall_s": wall, "steps_per_s": args.steps / wall, "comm_stats": stats,
                "train_curve": train_curve, "val_curve": val_curve, "kinds": kinds, "bytes_curve": bytes_curve,
