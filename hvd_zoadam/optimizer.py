@@ -19,7 +19,7 @@ from . import kinds, native
 from .layout import make_buckets, scale_segments
 from .protocol import Exchange
 from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_int
-from .transport import TRANSPORTS, HorovodTransport, Transport
+from .transport import TRANSPORTS, HorovodTransport, MPITransport, Transport, mpi_unavailable_reason
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 _KIND_NAMES = [k.value for k in StepKind]
@@ -36,9 +36,6 @@ def make_transport(transport, process_set=None) -> Transport:
     if isinstance(transport, Transport):
         return transport
     if transport not in TRANSPORTS:
-        if transport == "mpi":
-            raise ValueError("transport='mpi' (mpi4py) is not available in this release of hvd_zoadam; "
-                             "use transport='auto' or 'horovod'")
         raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
     import horovod.torch as hvd
     if not hvd.is_initialized():
@@ -49,6 +46,8 @@ def make_transport(transport, process_set=None) -> Transport:
         raise ValueError(f"this rank ({hvd.rank()}) is not in the process_set {process_set}; build the "
                          "optimizer only on the ranks of the process set it trains with")
     native.configure_threads(hvd.local_size())
+    if transport == "mpi" or (transport == "auto" and mpi_unavailable_reason() is None):
+        return MPITransport(process_set)
     return HorovodTransport(process_set)
 
 
@@ -901,7 +900,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     0/1 Adam's keyword-only knobs (spec §4): ``var_freeze_step`` (T_f, steps),
     ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
     (H_max, steps), ``local_step_policy`` (``"steps"``, ``"lr"`` or ``"constant"``),
-    ``bias_correction``, ``transport`` (``"auto"`` or ``"horovod"``), ``bucket_cap_mb``
+    ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
+    1-bit phases over mpi4py on Horovod's MPI world, a ``ValueError`` naming the reason where
+    that cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI controller with
+    ``MPI_THREAD_MULTIPLE`` and mpi4py works, else ``"horovod"``; ``comm_stats()["transport"]``
+    says which), ``bucket_cap_mb``
     (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
     each tensor is cut into blocks of at most this many elements, each with its own scale;
     ``None`` for one scale per tensor; a multiple of 8 or None), ``exp_avg_mask``

@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import torch
 
-TRANSPORTS = ("auto", "horovod")
+TRANSPORTS = ("auto", "horovod", "mpi")
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -169,19 +169,180 @@ class HorovodTransport(Transport):
         return self._wait(handle, "allreduce", name, self._nbytes(tensor))
 
     def allgather_object(self, obj, name):
-        return _allgather_object_via_bytes(self, obj, name)
+        return _allgather_object_via_bytes(HorovodTransport._allgather.__get__(self), obj, name)
 
 
-def _allgather_object_via_bytes(transport: Transport, obj, name: str) -> list:
+def _allgather_object_via_bytes(gather, obj, name: str) -> list:
     import pickle
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = transport._allgather(torch.tensor([data.numel()], dtype=torch.int64), name + ".sizes")
-    gathered = transport._allgather(data, name + ".data")
+    sizes = gather(torch.tensor([data.numel()], dtype=torch.int64), name + ".sizes")
+    gathered = gather(data, name + ".data")
     out, pos = [], 0
     for size in sizes.tolist():
         out.append(pickle.loads(gathered[pos:pos + size].numpy().tobytes()))
         pos += size
     return out
+
+
+# -- mpi4py ---------------------------------------------------------------------------------
+
+MPI_CUDA_AWARE_ENV = "HVD_ZOADAM_MPI_CUDA_AWARE"
+_mpi_comms: dict = {}  # tuple(ranks) -> communicator over Horovod's MPI world
+
+
+def mpi_unavailable_reason() -> str | None:
+    """Why ``transport="mpi"`` cannot work in this process, or None when it can.
+
+    Needs: Horovod initialised with the MPI controller (``hvd.mpi_enabled()``), MPI
+    initialised with ``MPI_THREAD_MULTIPLE`` (``hvd.mpi_threads_supported()``: Horovod's
+    background thread calls MPI too), mpi4py importable, and mpi4py's ``COMM_WORLD``
+    being Horovod's world (same rank and size).
+    """
+    import horovod.torch as hvd
+    if not hvd.is_initialized():
+        return "Horovod has not been initialized; call hvd.init() first"
+    if not hvd.mpi_enabled():
+        return ("Horovod does not run with the MPI controller (e.g. horovodrun --gloo, or "
+                "HOROVOD_CONTROLLER=gloo); launch with mpirun, horovodrun --mpi or srun --mpi=pmi2/pmix")
+    if not hvd.mpi_threads_supported():
+        return ("MPI is initialised without MPI_THREAD_MULTIPLE (HOROVOD_MPI_THREADS_DISABLE=1 or an MPI "
+                "build without thread support), and Horovod's background thread also calls MPI; unset "
+                "HOROVOD_MPI_THREADS_DISABLE or use transport='horovod'")
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        return f"mpi4py cannot be imported ({exc}); pip install mpi4py, or use transport='horovod'"
+    world = MPI.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (hvd.rank(), hvd.size()):
+        return (f"mpi4py's COMM_WORLD (rank {world.Get_rank()} of {world.Get_size()}) is not Horovod's world "
+                f"(rank {hvd.rank()} of {hvd.size()}), e.g. after hvd.init(comm=...); use transport='horovod'")
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return "mpi4py reports a thread level below MPI_THREAD_MULTIPLE; use transport='horovod'"
+    return None
+
+
+def mpi_cuda_aware() -> bool:
+    """Whether MPI may be handed CUDA device buffers.
+
+    ``HVD_ZOADAM_MPI_CUDA_AWARE=1``/``0`` decides when set; otherwise Open MPI's
+    ``MPIX_Query_cuda_support()`` is asked, and any other MPI counts as not CUDA-aware
+    (CUDA tensors are then staged through pinned host buffers).
+    """
+    value = os.environ.get(MPI_CUDA_AWARE_ENV)
+    if value is not None:
+        if value not in ("0", "1"):
+            raise ValueError(f"{MPI_CUDA_AWARE_ENV} must be 0 or 1, got {value!r}")
+        return value == "1"
+    import ctypes
+    try:
+        query = ctypes.CDLL(None).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        return False
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def _mpi_comm(process_set):
+    """The communicator of ``process_set``'s ranks, made once per process set with
+    ``MPI_Comm_create_group`` (collective over the set's members only, so process sets
+    that train separate models never wait on each other), tagged by the set's id."""
+    from mpi4py import MPI
+    ranks = tuple(process_set.ranks)
+    comm = _mpi_comms.get(ranks)
+    if comm is None:
+        world = MPI.COMM_WORLD
+        group = world.Get_group().Incl(list(ranks))
+        comm = world.Create_group(group, tag=1000 + int(process_set.process_set_id))
+        group.Free()
+        _mpi_comms[ranks] = comm
+    return comm
+
+
+class MPITransport(HorovodTransport):
+    """The 1-bit phases over mpi4py on Horovod's own MPI world (spec §3 rounds 1–3).
+
+    ``Iallgather``/``Ialltoall`` on a communicator per process set, each polled against
+    the same deadline as :class:`HorovodTransport`. The full-precision averages of the
+    VARIANCE steps, and set-up messages, stay on Horovod's fused allreduce/allgather
+    (NCCL or MPI, whichever Horovod uses). Buffers: CPU tensors go to MPI zero-copy; CUDA
+    tensors go straight to a CUDA-aware MPI (:func:`mpi_cuda_aware`), otherwise through
+    reusable pinned host buffers. Byte counts follow the table above.
+
+    Raises:
+        ValueError: at construction, naming the reason (:func:`mpi_unavailable_reason`).
+    """
+
+    name = "mpi"
+
+    def __init__(self, process_set=None, timeout_s: float | None = None):
+        reason = mpi_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"transport='mpi' cannot work here: {reason}")
+        super().__init__(process_set, timeout_s)
+        from mpi4py import MPI
+        self._MPI = MPI
+        self._comm = None  # made at the first collective: construction runs none
+        self.cuda_aware = None
+        self._pinned = {}
+
+    def refresh(self) -> bool:
+        return False  # MPI jobs are not elastic
+
+    def describe(self) -> str:
+        cuda = "" if self.cuda_aware is None else (", CUDA-aware" if self.cuda_aware else ", staged via host")
+        return f"mpi (mpi4py on Horovod's MPI world{cuda})"
+
+    def _host(self, tensor, key):
+        """(host tensor to hand MPI, device tensor to copy back into or None)."""
+        if tensor.device.type == "cpu":
+            return tensor, None
+        if self.cuda_aware is None:
+            self.cuda_aware = mpi_cuda_aware()
+        if self.cuda_aware:
+            return tensor, None
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < tensor.numel() or buf.dtype != tensor.dtype:
+            buf = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+            self._pinned[key] = buf
+        buf = buf[:tensor.numel()]
+        buf.copy_(tensor)
+        return buf, tensor
+
+    @staticmethod
+    def _buf(tensor):
+        if tensor.device.type == "cpu":
+            return tensor.view(torch.uint8).numpy()
+        return tensor.view(torch.uint8)  # __cuda_array_interface__, for a CUDA-aware MPI
+
+    def _run(self, op: str, name: str, send: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        if self._comm is None:
+            self._comm = _mpi_comm(self.process_set)
+        MPI = self._MPI
+        host_send, _ = self._host(send, (op, "send"))
+        host_recv, device_recv = self._host(recv, (op, "recv")) if recv.device.type != "cpu" else (recv, None)
+        sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
+        request = (self._comm.Iallgather if op == "allgather" else self._comm.Ialltoall)(sbuf, rbuf)
+        deadline, pause = time.monotonic() + self.timeout_s, 0.0
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"hvd_zoadam: the {op} '{name}' ({self._nbytes(send)} bytes, mpi4py) did not complete within "
+                    f"{self.timeout_s:g} s on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or "
+                    "the ranks issue different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
+            time.sleep(pause)
+            pause = min(0.002, pause + 0.0001)
+        if device_recv is not None:
+            device_recv.copy_(host_recv)
+        return recv
+
+    def _allgather(self, tensor, name):
+        tensor = tensor.contiguous()
+        recv = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        return self._run("allgather", name, tensor, recv)
+
+    def _alltoall(self, tensor, name):
+        tensor = tensor.contiguous()
+        return self._run("alltoall", name, tensor, torch.empty_like(tensor))
 
 
 class ThreadGroup:

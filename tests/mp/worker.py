@@ -16,6 +16,8 @@ import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
 
+TRANSPORT = os.environ.get("HVD_ZOADAM_TEST_TRANSPORT", "auto")
+
 
 def scenario_car(out):
     p, r = hvd.size(), hvd.rank()
@@ -25,24 +27,24 @@ def scenario_car(out):
         se = torch.zeros(hvd_zoadam.padded_numel(n, p) // p)
         outs = []
         for call in range(common.CAR_CALLS):
-            outs.append(hvd_zoadam.compressed_allreduce(common.car_input(n, r, call), we, se))
+            outs.append(hvd_zoadam.compressed_allreduce(common.car_input(n, r, call), we, se, transport=TRANSPORT))
         res[n] = {"outs": outs, "we": we.clone(), "se": se.clone()}
     for dtype in (torch.float16, torch.bfloat16):
         n = 37
         we = torch.zeros(hvd_zoadam.padded_numel(n, p))
         se = torch.zeros(hvd_zoadam.padded_numel(n, p) // p)
-        res[str(dtype)] = hvd_zoadam.compressed_allreduce(common.car_input(n, r, 0, dtype), we, se)
+        res[str(dtype)] = hvd_zoadam.compressed_allreduce(common.car_input(n, r, 0, dtype), we, se, transport=TRANSPORT)
     # A NaN on the last rank only: every rank raises, and no buffer changes.
     n = 19
     we = torch.zeros(hvd_zoadam.padded_numel(n, p))
     se = torch.zeros(hvd_zoadam.padded_numel(n, p) // p)
-    hvd_zoadam.compressed_allreduce(common.car_input(n, r, 0), we, se)
+    hvd_zoadam.compressed_allreduce(common.car_input(n, r, 0), we, se, transport=TRANSPORT)
     before = (we.clone(), se.clone())
     x = common.car_input(n, r, 1)
     if r == p - 1:
         x[3] = float("nan")
     try:
-        hvd_zoadam.compressed_allreduce(x, we, se)
+        hvd_zoadam.compressed_allreduce(x, we, se, transport=TRANSPORT)
         res["nan"] = "no error"
     except hvd_zoadam.NonFiniteError:
         res["nan"] = "raised"
@@ -86,15 +88,15 @@ def scenario_train(out):
     for cls, wd in ((torch.optim.Adam, 0.0), (torch.optim.AdamW, 0.05)):
         model, opt, per_step = train(lambda m: hvd_zoadam.DistributedOptimizer(
             cls(m.parameters(), lr=common.LR, weight_decay=wd), named_parameters=m.named_parameters(),
-            **common.TRAIN), common.TRAIN_STEPS, record_sync=True)
-        res[f"{cls.__name__}-{wd}"] = {"per_step": per_step, "stats": opt.comm_stats(),
+            transport=TRANSPORT, **common.TRAIN), common.TRAIN_STEPS, record_sync=True)
+        res[f"{cls.__name__}-{wd}"] = {"per_step": per_step, "stats": opt.comm_stats(), "transport": opt.transport.name,
                                        "final": [p.detach().clone() for p in model.parameters()]}
     out["train"] = res
 
 
 def main():
     hvd.init()
-    out = {"rank": hvd.rank(), "size": hvd.size()}
+    out = {"rank": hvd.rank(), "size": hvd.size(), "mpi_enabled": hvd.mpi_enabled()}
     for scenario in (scenario_car, scenario_adam_oracle, scenario_train):
         scenario(out)
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
