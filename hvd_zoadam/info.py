@@ -44,16 +44,8 @@ def _mpi() -> dict:
 
 def _cuda_aware_mpi():
     """Open MPI's MPIX_Query_cuda_support(), when the library has it; None when unknown."""
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("mpi")
-    if not name:
-        return None
-    try:
-        lib = ctypes.CDLL(name)
-        return bool(lib.MPIX_Query_cuda_support())
-    except (OSError, AttributeError):
-        return None
+    from .transport import query_mpix_cuda_support
+    return query_mpix_cuda_support()
 
 
 def _numba() -> dict:
@@ -79,10 +71,12 @@ def _torch() -> dict:
 
 
 def _transport_choice(horovod: dict) -> str:
-    """What transport="auto" resolves to in this release."""
+    """What transport="auto" resolves to (it depends on how the job is launched)."""
     if not horovod.get("installed"):
         return "none: Horovod is not installed"
-    return "horovod (Horovod's alltoall/allgather/allreduce, under the Gloo or the MPI controller)"
+    return ("mpi (mpi4py) when Horovod runs the MPI controller with MPI_THREAD_MULTIPLE and mpi4py imports "
+            "(mpirun, horovodrun --mpi, srun); otherwise horovod (Horovod's alltoall/allgather, e.g. under "
+            "horovodrun --gloo)")
 
 
 def report() -> dict:

@@ -233,11 +233,21 @@ def mpi_cuda_aware() -> bool:
         if value not in ("0", "1"):
             raise ValueError(f"{MPI_CUDA_AWARE_ENV} must be 0 or 1, got {value!r}")
         return value == "1"
+    return bool(query_mpix_cuda_support())
+
+
+def query_mpix_cuda_support() -> bool | None:
+    """Open MPI's ``MPIX_Query_cuda_support()`` from the MPI library found by ctypes;
+    None when there is no such library or function (MPICH, Intel MPI, no MPI)."""
     import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("mpi")
+    if not name:
+        return None
     try:
-        query = ctypes.CDLL(None).MPIX_Query_cuda_support
-    except (AttributeError, OSError):
-        return False
+        query = ctypes.CDLL(name).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return None
     query.restype = ctypes.c_int
     return bool(query())
 

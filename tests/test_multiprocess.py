@@ -160,6 +160,12 @@ def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
     """BH-08/09/10 (hvd.broadcast_optimizer_state) and BH-21 (settings differ across ranks)."""
     run_job(launcher, 2, ["tests/mp/worker_bcast.py", str(tmp_path)], timeout_s=120)
     r0, r1 = load_ranks(tmp_path, 2)
+    for r in (r0, r1):  # issue 4: an explicit transport='mpi' never falls back silently
+        if launcher == "gloo":
+            assert "transport='mpi' cannot work here" in r["explicit_mpi"]["error"]
+            assert "MPI controller" in r["explicit_mpi"]["error"]
+        else:
+            assert r["explicit_mpi"]["ok"].startswith("mpi (mpi4py")
     same_state = lambda a, b: all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])  # noqa: E731
     # BH-08/09: frozen layer untouched and without state; broadcasting twice = once; state equal after each
     f0, f1 = r0["frozen"], r1["frozen"]
