@@ -510,18 +510,39 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         is shared by all buckets (it is recomputed bitwise alike).
         """
         g, w = self._scratch["g"], self._scratch["w"]
-        prepared = []
+        if self.world_size == 1:
+            prepared = []
+            for b in buckets:
+                buf = g[:b.exchange.padded_numel]
+                fill(b, buf)
+                scales = b.exchange.prepare(buf)
+                if scales is None:
+                    return False
+                prepared.append(scales)
+            for b, scales in zip(buckets, prepared):
+                buf = g[:b.exchange.padded_numel]
+                fill(b, buf)
+                consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
+            return True
+        # Pipelined in bucket order (the same on every rank, as MPI requires): each bucket's
+        # collective is in flight while the next bucket's scales / signs / server chunk are
+        # computed. Round 1 of every bucket completes before any error buffer changes.
+        handles = []
         for b in buckets:
             buf = g[:b.exchange.padded_numel]
             fill(b, buf)
-            scales = b.exchange.prepare(buf)
-            if scales is None:
-                return False
-            prepared.append(scales)
+            handles.append(b.exchange.start_scales(buf))
+        prepared = [b.exchange.wait_scales(h) for b, h in zip(buckets, handles)]
+        if any(scales is None for scales in prepared):
+            return False
+        handles = []
         for b, scales in zip(buckets, prepared):
             buf = g[:b.exchange.padded_numel]
             fill(b, buf)
-            consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
+            handles.append(b.exchange.start_signs(buf, scales))
+        handles = [b.exchange.start_server(h, scales) for b, h, scales in zip(buckets, handles, prepared)]
+        for b, h in zip(buckets, handles):
+            consume(b, b.exchange.finish_gather(h, w[:b.numel]))
         return True
 
     def _compress_grads(self, step: int) -> bool:

@@ -87,23 +87,47 @@ class Exchange:
     def prepare(self, y: torch.Tensor):
         """Worker scales and round 1. Returns float32[P, nseg] of every rank's scales, or
         None when some rank's input is non-finite (every rank returns None together)."""
-        p = self.transport.world_size
-        if p == 1:
+        if self.transport.world_size == 1:
             return self._scales if bool(torch.isfinite(y[:self.numel]).all()) else None
-        native.worker_scales(y, self.worker_error, self.plan, self._scales)
-        all_scales = self.transport.allgather(self._scales, f"{self.name}.scales").view(p, self.nseg)
-        return all_scales if bool(torch.isfinite(all_scales).all()) else None
+        return self.wait_scales(self.start_scales(y))
 
     def finish(self, y: torch.Tensor, all_worker_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rounds 2 and 3 for the ``y`` given to :meth:`prepare`: C(y) into ``out`` (float32[numel])."""
-        t, p = self.transport, self.transport.world_size
-        if p == 1:
+        if self.transport.world_size == 1:
             return out.copy_(y[:self.numel])
+        return self.finish_gather(self.start_server(self.start_signs(y, all_worker_scales), all_worker_scales), out)
+
+    # The same exchange in nonblocking phases (P > 1), so that the optimizer can run one
+    # bucket's collectives while it computes the next bucket's: start_scales -> wait_scales
+    # -> start_signs -> start_server -> finish_gather. ``y`` is read only inside the calls
+    # that take it; the messages in flight live in this object's own buffers.
+    def start_scales(self, y: torch.Tensor):
+        """Worker scales of ``y + worker_error`` (float64 sums), then start round 1 (allgather)."""
+        native.worker_scales(y, self.worker_error, self.plan, self._scales)
+        return self.transport.start("allgather", self._scales, f"{self.name}.scales")
+
+    def wait_scales(self, handle):
+        """float32[P, nseg] of every rank's scales, or None when one is non-finite."""
+        all_scales = self.transport.wait(handle).view(self.transport.world_size, self.nseg)
+        return all_scales if bool(torch.isfinite(all_scales).all()) else None
+
+    def start_signs(self, y: torch.Tensor, all_worker_scales: torch.Tensor):
+        """Pack the signs of ``y + worker_error``, update the error, start round 2 (alltoall)."""
         native.worker_pack(y, self.worker_error, self.plan, self._scales, self._packed)
-        recv = t.alltoall(self._packed, f"{self.name}.signs").view(p, -1)
+        return self.transport.start("alltoall", self._packed, f"{self.name}.signs")
+
+    def start_server(self, signs_handle, all_worker_scales: torch.Tensor):
+        """Wait for round 2, average this rank's chunk with ``server_error``, recompress, start round 3."""
+        p = self.transport.world_size
+        recv = self.transport.wait(signs_handle).view(p, -1)
         native.server_reduce(recv, all_worker_scales, self.server_error, self.plan,
                              self._server_packed, self._server_scales)
-        gathered = t.allgather(self._server_msg, f"{self.name}.server").view(p, -1)
+        return self.transport.start("allgather", self._server_msg, f"{self.name}.server")
+
+    def finish_gather(self, server_handle, out: torch.Tensor) -> torch.Tensor:
+        """Wait for round 3 and decompress C(y) into ``out`` (float32[numel])."""
+        p = self.transport.world_size
+        gathered = self.transport.wait(server_handle).view(p, -1)
         packed = gathered[:, 4 * self.nseg:].reshape(-1)
         server_scales = gathered[:, :4 * self.nseg].contiguous().view(torch.float32).view(p, self.nseg)
         return native.decompress(packed, server_scales, self.plan, out)

@@ -89,18 +89,32 @@ class Transport:
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Concatenation of every rank's ``tensor`` in rank order: [P * len]."""
-        self._count("allgather", tensor)
-        return self._allgather(tensor, name)
+        return self.wait(self.start("allgather", tensor, name))
 
     def alltoall(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Chunk q of ``tensor`` (len/P elements) goes to rank q; returns the P received chunks in rank order."""
-        self._count("alltoall", tensor)
-        return self._alltoall(tensor, name)
+        return self.wait(self.start("alltoall", tensor, name))
 
     def allreduce_average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """In-place average over ranks (Horovod's op=Average)."""
-        self._count("allreduce", tensor)
-        return self._allreduce_average_(tensor, name)
+        return self.wait(self.start("allreduce", tensor, name))
+
+    # Nonblocking form: start() returns a handle, wait() its result (what the blocking calls
+    # above return). ``tensor`` must stay untouched until wait(). Every rank must start the
+    # collectives of one transport in the same order (MPI matches nonblocking collectives on a
+    # communicator by their order). This base class runs the collective inside start().
+    def start(self, op: str, tensor: torch.Tensor, name: str):
+        """Start ``op`` (``"allgather"``, ``"alltoall"`` or ``"allreduce"``, the in-place average)."""
+        self._count(op, tensor)
+        return self._start(op, tensor, name)
+
+    def _start(self, op, tensor, name):
+        fn = {"allgather": self._allgather, "alltoall": self._alltoall, "allreduce": self._allreduce_average_}[op]
+        return ("done", fn(tensor, name))
+
+    def wait(self, handle) -> torch.Tensor:
+        """The result of a started collective; raises :class:`CollectiveTimeoutError` past the deadline."""
+        return handle[1]
 
     def allgather_object(self, obj, name: str) -> list:
         """Every rank's picklable ``obj``, in rank order (uncounted: set-up only)."""
@@ -156,17 +170,25 @@ class HorovodTransport(Transport):
     def _nbytes(self, tensor):
         return tensor.numel() * tensor.element_size()
 
+    def _start(self, op, tensor, name):
+        hvd, ps = self._hvd, self.process_set
+        if op == "allgather":
+            handle = hvd.allgather_async(tensor, name=name, process_set=ps)
+        elif op == "alltoall":
+            handle = hvd.alltoall_async(tensor, name=name, process_set=ps)
+        else:
+            handle = hvd.allreduce_async_(tensor, op=hvd.Average, name=name, process_set=ps)
+        return ("horovod", handle, op, name, self._nbytes(tensor))
+
+    def wait(self, handle):
+        if handle[0] == "done":
+            return handle[1]
+        _, h, op, name, nbytes = handle
+        out = self._wait(h, op, name, nbytes)
+        return out[0] if op == "alltoall" else out
+
     def _allgather(self, tensor, name):
-        handle = self._hvd.allgather_async(tensor, name=name, process_set=self.process_set)
-        return self._wait(handle, "allgather", name, self._nbytes(tensor))
-
-    def _alltoall(self, tensor, name):
-        handle = self._hvd.alltoall_async(tensor, name=name, process_set=self.process_set)
-        return self._wait(handle, "alltoall", name, self._nbytes(tensor))[0]
-
-    def _allreduce_average_(self, tensor, name):
-        handle = self._hvd.allreduce_async_(tensor, op=self._hvd.Average, name=name, process_set=self.process_set)
-        return self._wait(handle, "allreduce", name, self._nbytes(tensor))
+        return HorovodTransport.wait(self, HorovodTransport._start(self, "allgather", tensor, name))
 
     def allgather_object(self, obj, name):
         return _allgather_object_via_bytes(HorovodTransport._allgather.__get__(self), obj, name)
@@ -324,19 +346,31 @@ class MPITransport(HorovodTransport):
             return tensor.view(torch.uint8).numpy()
         return tensor.view(torch.uint8)  # __cuda_array_interface__, for a CUDA-aware MPI
 
-    def _run(self, op: str, name: str, send: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+    def _start(self, op, tensor, name):
+        if op == "allreduce":  # the fp32 averages stay on Horovod's fused allreduce
+            return HorovodTransport._start(self, op, tensor, name)
         if self._comm is None:
             self._comm = _mpi_comm(self.process_set)
         MPI = self._MPI
-        host_send, _ = self._host(send, (op, "send"))
-        host_recv, device_recv = self._host(recv, (op, "recv")) if recv.device.type != "cpu" else (recv, None)
+        send = tensor.contiguous()
+        numel = self.world_size * send.numel() if op == "allgather" else send.numel()
+        recv = torch.empty(numel, dtype=send.dtype, device=send.device)
+        # Staging buffers are keyed by name: several collectives can be in flight at once.
+        host_send, _ = self._host(send, (name, "send"))
+        host_recv, device_recv = self._host(recv, (name, "recv")) if recv.device.type != "cpu" else (recv, None)
         sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
         request = (self._comm.Iallgather if op == "allgather" else self._comm.Ialltoall)(sbuf, rbuf)
+        return ("mpi", request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
+
+    def wait(self, handle):
+        if handle[0] != "mpi":
+            return HorovodTransport.wait(self, handle)
+        _, request, op, name, nbytes, recv, host_recv, device_recv, _ = handle
         deadline, pause = time.monotonic() + self.timeout_s, 0.0
         while not request.Test():
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(
-                    f"hvd_zoadam: the {op} '{name}' ({self._nbytes(send)} bytes, mpi4py) did not complete within "
+                    f"hvd_zoadam: the {op} '{name}' ({nbytes} bytes, mpi4py) did not complete within "
                     f"{self.timeout_s:g} s on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or "
                     "the ranks issue different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
             time.sleep(pause)
@@ -344,15 +378,6 @@ class MPITransport(HorovodTransport):
         if device_recv is not None:
             device_recv.copy_(host_recv)
         return recv
-
-    def _allgather(self, tensor, name):
-        tensor = tensor.contiguous()
-        recv = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        return self._run("allgather", name, tensor, recv)
-
-    def _alltoall(self, tensor, name):
-        tensor = tensor.contiguous()
-        return self._run("alltoall", name, tensor, torch.empty_like(tensor))
 
 
 class ThreadGroup:

@@ -1,0 +1,166 @@
+"""One rank of a ``python -m hvd_zoadam.bench network`` run: the char LM of examples/train_lm.py
+trained by one of the compared systems. Launched by mpirun (one rank per simulated host).
+
+Runs (``--run``):
+  adam          hvd.DistributedOptimizer(torch.optim.AdamW), fp32 allreduce (Horovod, MPI controller)
+  adam-fp16     the same with compression=hvd.Compression.fp16
+  zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW) with the main job's defaults
+  ddp-powersgd  torch DDP over gloo with the PowerSGD hook (rank --powersgd-rank, error feedback,
+                warm start; plain allreduce for the first --warmup steps), bucket_cap_mb=1000
+  ddp-localsgd  torch DDP over gloo with post-local SGD: allreduce for --warmup steps, then local
+                steps with PeriodicModelAverager(period=--local-period)
+  compute       the same training with no communication at all (the ceiling)
+
+Rank 0 writes ``--out``: steps/s over the steps after the first ``--skip`` (numba compiles
+and DDP's bucket rebuild happen there), wall seconds, mean train loss of the last 10 steps
+(averaged over ranks, except for ``compute``), and the run's own byte/round counts where it
+has them (hvd_zoadam's ``comm_stats()``; Adam's allreduce by formula).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RUNS = ("adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute")
+
+
+def _train_lm():
+    """examples/train_lm.py as a module (model, corpus, batches, lr schedule)."""
+    path = Path(os.environ.get("HVD_ZOADAM_ROOT", Path(__file__).resolve().parent.parent)) / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", choices=RUNS, required=True)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--powersgd-rank", type=int, default=4)
+    ap.add_argument("--local-period", type=int, default=8)
+    ap.add_argument("--master", default=os.environ.get("ZO_MASTER", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=29533)
+    ap.add_argument("--out", required=True)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    lm = _train_lm()
+    torch.set_num_threads(1)
+    hvd = dist = None
+    if args.run in ("adam", "adam-fp16", "zoadam"):
+        import horovod.torch as hvd
+        hvd.init()
+        rank, world = hvd.rank(), hvd.size()
+    else:
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
+        world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        if args.run != "compute":
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank,
+                                    world_size=world)
+    text = lm.load_corpus()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text[:int(0.9 * len(text))]], dtype=torch.long)
+    torch.manual_seed(1234)
+    model = lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    averager = None
+    net = model
+    if hvd is not None:
+        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+        if args.run == "zoadam":
+            import hvd_zoadam
+            opt = hvd_zoadam.DistributedOptimizer(
+                inner, named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
+                var_update_scaler=8, local_step_scaler=40, local_step_clipper=8, local_step_policy="lr",
+                scale_block_numel=256)
+        else:
+            comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
+    else:
+        if dist is not None:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            net = DDP(model, bucket_cap_mb=1000)
+            if args.run == "ddp-powersgd":
+                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+                state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                               start_powerSGD_iter=max(2, args.warmup), use_error_feedback=True,
+                                               warm_start=True)
+                net.register_comm_hook(state, powerSGD.powerSGD_hook)
+            else:
+                from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+                    PostLocalSGDState, post_localSGD_hook)
+                from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+                subgroup, _ = dist.new_subgroups(group_size=1)  # local steps: no intra-node averaging (CPU)
+                net.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup,
+                                                         start_localSGD_iter=args.warmup), post_localSGD_hook)
+                averager = PeriodicModelAverager(period=args.local_period, warmup_steps=args.warmup)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
+    gen = torch.Generator().manual_seed(1234 * 1000 + rank)
+    losses = []
+    start = None
+    for step in range(1, args.steps + 1):
+        if step == args.skip + 1:
+            start = time.perf_counter()
+        x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        if averager is not None:
+            averager.average_parameters(model.parameters())
+        sched.step()
+        losses.append(loss.item())
+    elapsed = time.perf_counter() - start
+    final = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
+    if hvd is not None:
+        final = hvd.allreduce(final, op=hvd.Average, name="bench.final")
+    elif dist is not None:
+        dist.all_reduce(final)
+        final /= world
+    out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
+           "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
+           "params": n_params}
+    if args.run == "zoadam":
+        stats = opt.comm_stats()
+        out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
+                   transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
+                                                                                        "local", "sync")})
+    elif args.run.startswith("adam"):
+        width = 2 if args.run == "adam-fp16" else 4
+        out.update(bytes_sent_counted=args.steps * 2 * (world - 1) / world * width * n_params, rounds=args.steps)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(out))
+    if hvd is not None:
+        hvd.barrier()
+    elif dist is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

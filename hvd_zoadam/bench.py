@@ -1,0 +1,356 @@
+"""Benchmarks; each prints JSON. ``python -m hvd_zoadam.bench {network,step,model} --help``.
+
+* ``network``: the char LM of examples/train_lm.py (3.24 M parameters) on ``--ranks``
+  simulated hosts (:mod:`hvd_zoadam.netsim`: namespaces, HTB-shaped links, no added
+  latency: this kernel has no netem), one rank per host, launched by ``mpirun`` from the
+  first host with a launch agent in place of ssh and ``--mca btl tcp,self``. In one
+  invocation it runs, with the same model, data, seeds and steps: (a) Horovod AdamW fp32,
+  (b) the same with fp16 compression, (c) hvd_zoadam, (d) DDP + PowerSGD over gloo,
+  (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only. Per run: steps/s
+  (after the first ``--skip`` steps), bytes each rank put on its link (the veth's TX
+  counter, so every system is measured alike, TCP/IP headers included), the run's own
+  counted bytes and rounds where it has them, and the final train loss. A run that fails
+  is reported with its error, not dropped. Needs root.
+* ``step``: the optimizer step alone at P = 1 on the char LM's parameters: each
+  hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)``.
+* ``model``: an alpha-beta model of step time; validated against a ``network`` JSON
+  when given, and projected to BERT-Large on 16–128 workers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_LABELS = {
+    "adam": "(a) Horovod AdamW fp32",
+    "adam-fp16": "(b) Horovod AdamW fp16",
+    "zoadam": "(c) hvd_zoadam 0/1 Adam",
+    "ddp-powersgd": "(d) DDP + PowerSGD",
+    "ddp-localsgd": "(e) DDP + post-local SGD",
+    "compute": "(f) compute only",
+}
+
+
+# -- network ---------------------------------------------------------------------------------
+
+def _tx_bytes(ns: str) -> int:
+    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", "zeth0"], check=True,
+                         capture_output=True, text=True).stdout
+    return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
+def _network_run(net, run: str, args, workdir: Path) -> dict:
+    out = workdir / f"{run}.json"
+    hosts = ",".join(f"{a}:1" for a in net.addresses)
+    worker = [sys.executable, "-m", "hvd_zoadam._bench_lm", "--run", run, "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--skip", str(args.skip), "--master", net.addresses[0],
+              "--out", str(out), *args.model_args]
+    # Open MPI's default allreduce choice runs 40% below the line rate at 100 Mbit: pin
+    # recursive doubling (benchmark-facts §2), so Horovod's baseline is not handicapped.
+    cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
+           "--mca", "coll_tuned_allreduce_algorithm", "3", "-H", hosts, "-np", str(len(net.addresses)),
+           "-x", "PATH", "-x", "PYTHONPATH", "-x", "HVD_ZOADAM_ROOT", "-x", "PYTHONUNBUFFERED", *worker]
+    before = [_tx_bytes(ns) for ns in net.namespaces]
+    env = dict(os.environ, HVD_ZOADAM_ROOT=str(ROOT), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    try:
+        proc = net.run(cmd, timeout_s=args.run_timeout, env=env, capture_output=True, text=True, cwd=ROOT)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = "timeout", f"no result within {args.run_timeout} s: {str(exc.stderr or '')[-1500:]}"
+    wall = time.perf_counter() - start
+    sent = [_tx_bytes(ns) - b for ns, b in zip(net.namespaces, before)]
+    result = {"run": run, "label": RUN_LABELS[run], "wall_s": wall,
+              "wire_bytes_sent_per_rank": sum(sent) / len(sent)}
+    if rc == 0 and out.exists():
+        result.update(json.loads(out.read_text()), ok=True)
+    else:
+        result.update(ok=False, error=f"exit {rc}: {tail}")
+    return result
+
+
+def _ratios(results: list) -> dict:
+    by = {r["run"]: r for r in results if r.get("ok")}
+    z = by.get("zoadam")
+    out = {}
+    if z:
+        for other in ("adam", "adam-fp16", "ddp-powersgd", "ddp-localsgd", "compute"):
+            if other in by:
+                out[f"zoadam_steps_per_s_vs_{other}"] = z["steps_per_s"] / by[other]["steps_per_s"]
+        if "adam" in by:
+            out["zoadam_wire_bytes_vs_adam"] = z["wire_bytes_sent_per_rank"] / by["adam"]["wire_bytes_sent_per_rank"]
+    return out
+
+
+TARGETS = [  # (rate, ratio key, target, text)
+    ("100mbit", "zoadam_steps_per_s_vs_adam", 2.5, ">= 2.5x (a)'s steps/s"),
+    ("100mbit", "zoadam_steps_per_s_vs_adam-fp16", 1.5, ">= 1.5x (b)'s steps/s"),
+    ("100mbit", "zoadam_steps_per_s_vs_compute", 0.8, ">= 0.8x the compute-only ceiling"),
+    ("1gbit", "zoadam_steps_per_s_vs_compute", 0.9, ">= 0.9x the compute-only ceiling"),
+]
+
+
+def cmd_network(args) -> dict:
+    from tqdm import tqdm
+
+    from .netsim import Network
+    runs = args.runs.split(",")
+    unknown = [r for r in runs if r not in RUN_LABELS]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(RUN_LABELS)}")
+    report = {"benchmark": "network", "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
+              "skip": args.skip, "model_args": args.model_args,
+              "note": "bandwidth shaped with HTB on both ends of each link; latency NOT shaped (no netem in this "
+                      "kernel; base RTT about 0.05 ms). steps/s are over the steps after the first --skip.",
+              "rates": {}}
+    bar = tqdm(total=len(args.rate) * len(runs), desc="bench network", unit="run", file=sys.stderr)
+    for rate in args.rate:
+        results = []
+        with Network(args.ranks, rate) as net, tempfile.TemporaryDirectory() as tmp:
+            for run in runs:
+                bar.set_postfix(rate=rate, run=run)
+                res = _network_run(net, run, args, Path(tmp))
+                results.append(res)
+                msg = (f"{rate:>8} {res['label']:<28} " + (
+                    f"{res['steps_per_s']:.3f} steps/s, {res['wire_bytes_sent_per_rank'] / 2 ** 20:.1f} MiB/rank on "
+                    f"the wire, loss {res['final_loss']:.3f}" if res["ok"] else f"FAILED: {res['error'][-300:]}"))
+                bar.write(msg)
+                bar.update()
+        report["rates"][rate] = {"runs": results, "ratios": _ratios(results)}
+    bar.close()
+    report["targets"] = [
+        {"rate": rate, "metric": key, "target": target, "text": text,
+         "measured": report["rates"].get(rate, {}).get("ratios", {}).get(key),
+         "met": (lambda m: None if m is None else m >= target)(report["rates"].get(rate, {}).get("ratios", {}).get(key))}
+        for rate, key, target, text in TARGETS]
+    if args.png:
+        _network_png(report, args.png)
+    return report
+
+
+def _network_png(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rates = list(report["rates"])
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        runs = report["rates"][rate]["runs"]
+        labels = [r["label"] for r in runs]
+        values = [r.get("steps_per_s", 0.0) if r["ok"] else 0.0 for r in runs]
+        bars = ax.barh(labels, values, color=["tab:red" if r["run"] == "zoadam" else "tab:gray" for r in runs])
+        for b, r in zip(bars, runs):
+            text = (f"{r['wire_bytes_sent_per_rank'] / 2 ** 20:.0f} MiB" if r["ok"] else "failed")
+            ax.text(b.get_width(), b.get_y() + b.get_height() / 2, " " + text, va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("steps/s (higher is better); label: MiB sent per rank")
+        ax.set_title(f"{report['ranks']} ranks, {rate} links, {report['steps']} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- step ------------------------------------------------------------------------------------
+
+def cmd_step(args) -> dict:
+    """The optimizer step alone at P = 1: each hvd_zoadam step kind vs AdamW(foreach=True)."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_zoadam
+    from hvd_zoadam import StepKind
+    lm = __import__("hvd_zoadam._bench_lm", fromlist=["_train_lm"])._train_lm()
+    hvd.init()
+    torch.set_num_threads(args.threads)
+
+    def model():
+        torch.manual_seed(0)
+        m = lm.CharGPT(84, 128, args.n_layer, args.n_embd, 4)
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 1e-2
+        return m
+
+    def timed(step, n):
+        for _ in range(3):
+            step()
+        best = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            best.append((time.perf_counter() - t0) / n)
+        return min(best)
+
+    m = model()
+    adamw = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+    base = timed(adamw.step, args.iters)
+    out = {"benchmark": "step", "world_size": hvd.size(), "params": sum(p.numel() for p in m.parameters()),
+           "threads": args.threads, "adamw_foreach_ms": base * 1e3, "kinds": {}}
+    # One optimizer per kind, with a schedule that makes every timed step that kind.
+    configs = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
+               StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
+               StepKind.LOCAL: dict(var_freeze_step=1, local_step_scaler=1, local_step_clipper=1 << 20),
+               StepKind.SYNC: dict(var_freeze_step=1)}
+    for kind, cfg in configs.items():
+        m = model()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                              named_parameters=m.named_parameters(), **cfg)
+        for _ in range(4):
+            opt.step()
+        seen = opt._next_kind()[1]
+        t = timed(opt.step, args.iters)
+        out["kinds"][kind.value] = {"ms": t * 1e3, "vs_adamw_foreach": t / base, "measured_kind": seen.value}
+    out["target"] = "each kind <= 1.3x AdamW(foreach=True)"
+    out["met"] = all(k["vs_adamw_foreach"] <= 1.3 for k in out["kinds"].values())
+    return out
+
+
+# -- model -----------------------------------------------------------------------------------
+
+def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s: float, compute_s: float,
+              frac: dict | None = None, width_bytes: int = 4) -> float:
+    """Alpha-beta step time in seconds for one training step averaged over a run.
+
+    n: parameters; p: workers; bandwidth_bps: link bits/s per direction; latency_s: alpha
+    per message round; compute_s: forward + backward + optimizer per step. Collectives use
+    the bandwidth-optimal ring/pairwise forms: allreduce of B bytes costs
+    2(p−1)·alpha + 2(p−1)/p·B/beta; the 1-bit exchange (spec §3) costs 3 rounds:
+    (p−1)·alpha for scales, alltoall (p−1)/p·N/8 bytes, allgather (p−1)·N/(8p) bytes, i.e.
+    ~2(p−1)/p·n/8 bytes and 3(p−1)·alpha. ``frac``: share of steps of each kind
+    (variance, compressed, local, sync); systems: "adam" (fp32), "adam-fp16", "1bit-adam",
+    "zoadam" (no overlap of communication with compute is assumed).
+    """
+    beta = bandwidth_bps / 8.0
+    full = lambda w: 2 * (p - 1) * latency_s + 2 * (p - 1) / p * w * n / beta  # noqa: E731
+    onebit = 3 * (p - 1) * latency_s + 2 * (p - 1) / p * n / 8 / beta
+    if p == 1:
+        return compute_s
+    if system == "adam":
+        return compute_s + full(4)
+    if system == "adam-fp16":
+        return compute_s + full(2)
+    frac = frac or {}
+    if system == "1bit-adam":
+        warm = frac.get("variance", 0.15)
+        return compute_s + warm * full(4) + (1 - warm) * onebit
+    if system == "zoadam":
+        return compute_s + frac.get("variance", 0.0) * full(4) + (frac.get("compressed", 0.0)
+                                                                  + frac.get("sync", 0.0)) * onebit
+    raise ValueError(f"unknown system {system!r}")
+
+
+def cmd_model(args) -> dict:
+    out = {"benchmark": "model", "formula": step_time.__doc__.strip().split("\n\n")[1].strip()}
+    if args.measured:
+        rep = json.loads(Path(args.measured).read_text())
+        checks = []
+        for rate, block in rep["rates"].items():
+            runs = {r["run"]: r for r in block["runs"] if r.get("ok")}
+            if "compute" not in runs:
+                continue
+            bps = _parse_rate(rate)
+            n, p = runs["compute"]["params"], rep["ranks"]
+            compute_s = 1.0 / runs["compute"]["steps_per_s"]
+            for run, system in (("adam", "adam"), ("adam-fp16", "adam-fp16"), ("zoadam", "zoadam")):
+                if run not in runs:
+                    continue
+                frac = None
+                if run == "zoadam":
+                    kinds = runs[run]["kinds"]
+                    total = sum(kinds.values())
+                    frac = {k: v / total for k, v in kinds.items()}
+                pred = 1.0 / step_time(system, n=n, p=p, bandwidth_bps=bps, latency_s=args.latency,
+                                       compute_s=compute_s, frac=frac)
+                checks.append({"rate": rate, "run": run, "predicted_steps_per_s": pred,
+                               "measured_steps_per_s": runs[run]["steps_per_s"],
+                               "error": pred / runs[run]["steps_per_s"] - 1})
+        out["validation"] = checks
+    # BERT-Large projection (paper §5's setting, in this model's terms).
+    n = 340e6
+    frac_zo = {"variance": args.zo_variance_frac, "compressed": args.zo_compressed_frac,
+               "sync": args.zo_sync_frac, "local": 1 - args.zo_variance_frac - args.zo_compressed_frac - args.zo_sync_frac}
+    proj = []
+    for gbit in (10, 40, 100):
+        for p in (16, 32, 64, 128):
+            row = {"gbit_per_s": gbit, "workers": p}
+            for system in ("adam-fp16", "1bit-adam", "zoadam"):
+                row[system + "_s"] = step_time(system, n=n, p=p, bandwidth_bps=gbit * 1e9, latency_s=args.latency_bert,
+                                               compute_s=args.bert_compute_s, frac=frac_zo, width_bytes=2)
+            row["zoadam_speedup_vs_adam_fp16"] = row["adam-fp16_s"] / row["zoadam_s"]
+            row["zoadam_speedup_vs_1bit_adam"] = row["1bit-adam_s"] / row["zoadam_s"]
+            proj.append(row)
+    out["bert_large"] = {"params": n, "compute_s_per_step": args.bert_compute_s, "latency_s": args.latency_bert,
+                         "zoadam_step_fractions": frac_zo, "1bit_adam_warmup_fraction": 0.15, "rows": proj}
+    return out
+
+
+def _parse_rate(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, mult in units.items():
+        if rate.lower().endswith(unit):
+            return float(rate[:-len(unit)]) * mult
+    raise ValueError(f"rate {rate!r}: use e.g. 100mbit or 1gbit")
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    net = sub.add_parser("network", help="the char LM over shaped links, 6 systems side by side (needs root)")
+    net.add_argument("--rate", action="append", default=None,
+                     help="link rate, e.g. 100mbit or 1gbit; repeat for several (default: 100mbit and 1gbit)")
+    net.add_argument("--ranks", type=int, default=2)
+    net.add_argument("--steps", type=int, default=60)
+    net.add_argument("--warmup", type=int, default=12, help="LR warm-up steps; also 0/1 Adam's freeze, PowerSGD's "
+                                                            "and post-local SGD's start")
+    net.add_argument("--skip", type=int, default=3, help="untimed first steps")
+    net.add_argument("--runs", default=",".join(RUN_LABELS), help="subset of " + ",".join(RUN_LABELS))
+    net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
+    net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
+                     help="extra worker flags, e.g. --n-layer 1 --n-embd 64 (must come last)")
+    net.add_argument("--json", help="also write the report here")
+    net.add_argument("--png", help="bar chart of steps/s per system and rate")
+    st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")
+    st.add_argument("--n-layer", type=int, default=4)
+    st.add_argument("--n-embd", type=int, default=256)
+    st.add_argument("--threads", type=int, default=1)
+    st.add_argument("--iters", type=int, default=10)
+    st.add_argument("--repeats", type=int, default=5)
+    st.add_argument("--json")
+    mo = sub.add_parser("model", help="alpha-beta step-time model: validation and BERT-Large projection")
+    mo.add_argument("--measured", help="a `bench network` JSON to validate against")
+    mo.add_argument("--latency", type=float, default=1e-4, help="alpha on the simulated links, seconds")
+    mo.add_argument("--latency-bert", type=float, default=5e-6, help="alpha on the projected cluster, seconds")
+    mo.add_argument("--bert-compute-s", type=float, default=0.15,
+                    help="BERT-Large compute per step and GPU, seconds (assumption; see README)")
+    mo.add_argument("--zo-variance-frac", type=float, default=0.002)
+    mo.add_argument("--zo-compressed-frac", type=float, default=0.01)
+    mo.add_argument("--zo-sync-frac", type=float, default=0.10)
+    mo.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.cmd == "network":
+        args.rate = args.rate or ["100mbit", "1gbit"]
+        report = cmd_network(args)
+    elif args.cmd == "step":
+        report = cmd_step(args)
+    else:
+        report = cmd_model(args)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
