@@ -44,9 +44,11 @@ class Hyper:
         return 1 - self.beta2 ** self.exp_avg_sq_steps if self.bias_correction else 1.0
 
 
-def adam_denom(exp_avg_sq: torch.Tensor, h: Hyper) -> torch.Tensor:
-    """s = sqrt(v̂) + eps, float32[n] (a new tensor)."""
-    return (exp_avg_sq.sqrt() / (h.bias_correction2 ** 0.5)).add_(h.eps)
+def adam_denom(exp_avg_sq: torch.Tensor, h: Hyper, out: torch.Tensor | None = None) -> torch.Tensor:
+    """s = sqrt(v̂) + eps, float32[n] (into ``out`` when given, else a new tensor)."""
+    if out is None:
+        return (exp_avg_sq.sqrt() / (h.bias_correction2 ** 0.5)).add_(h.eps)
+    return torch.sqrt(exp_avg_sq, out=out).div_(h.bias_correction2 ** 0.5).add_(h.eps)
 
 
 def normalized_gradient_bound(h: Hyper, exp_avg_sq_steps: int) -> float:
@@ -98,15 +100,17 @@ def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
 
 
 def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned: bool = True) -> None:
-    """SYNC steps 2–3: replay the window's decay on the anchor, then the window's update into ``out``.
+    """SYNC steps 2–3: the window's update into ``out``, with the window's decay replayed on the anchor
+    (``anchor`` itself is left as it is).
 
     ``preconditioned`` (hvd_zoadam's default): u = x_a − x, in parameter units. Otherwise the
     spec's u = (x_a − x)·s, in momentum units. The two carry the same information; they differ
     in where the 1-bit compression error lands (see the README, "Compression domain").
     """
-    if decay_product != 1.0:
-        anchor.mul_(decay_product)
-    torch.sub(anchor, param, out=out)
+    if decay_product != 1.0:   # anchor·Π(1 − γλ) − x without touching the anchor (sync_finish decays it)
+        torch.mul(anchor, decay_product, out=out).sub_(param)
+    else:
+        torch.sub(anchor, param, out=out)
     if not preconditioned:
         out.mul_(denom)
 

@@ -127,7 +127,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     **Memory** (bytes, n = trainable elements, P = world size, B = buckets):
     ``4·(3n + padded_numel + padded_numel/P)`` for exp_avg, exp_avg_sq, anchor,
     worker_error, server_error, i.e. about ``(4 + 1/P)·n`` floats with less than
-    ``8P`` padding elements per bucket, plus a reusable scratch of three float32
+    ``8P`` padding elements per bucket, plus a reusable scratch of four float32
     buffers the size of the largest bucket (see :meth:`memory_bytes`).
     """
 
@@ -168,6 +168,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._exchanged = False       # p.grad holds this step's exchange result
         self._inv_grad_scale = None   # 1 / GradScaler's scale while scaler.step() drives us
         self._checked_layout = False
+        self._mask_cache = {}
         self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
         self._stats_extra = {"skipped_steps": 0, "adam_equivalent_bytes": 0}
         self._adam_equivalent_bytes = 0.0
@@ -673,8 +674,17 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """
         if not self.auto_exp_avg_mask:
             return b.mask
-        seen = b.exp_avg_sq != 0
-        return seen if b.mask is None else seen & b.mask.bool()
+        # Cached until exp_avg_sq changes (its version counter moves on every in-place write:
+        # a VARIANCE step, a load, a broadcast); None when nothing is masked, which saves a
+        # pass over the bucket in every step and is bitwise the same as an all-ones mask.
+        key = (b.exp_avg_sq._version, id(b.mask))
+        cached = self._mask_cache.get(id(b))
+        if cached is None or cached[0] != key:
+            seen = b.exp_avg_sq != 0
+            mask = seen if b.mask is None else seen & b.mask.bool()
+            cached = (key, None if bool(mask.all()) else mask)
+            self._mask_cache[id(b)] = cached
+        return cached[1]
 
     def _load_x(self, b: _Bucket) -> torch.Tensor:
         """x as float32[n]: the fp32 params gathered, or the master weights of fp16/bf16 params.
@@ -709,8 +719,16 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             h = self._hyper(self.param_groups[b.group_index], step, k)
             self._grads_into(b, g, raw=not self._exchanged)
             x = self._load_x(b)
-            kinds.momentum_step(x, g[:b.numel], b.exp_avg, kinds.adam_denom(b.exp_avg_sq, h), h, self._mask_of(b))
+            denom = kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel))
+            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, self._mask_of(b))
             self._scatter(x, b.params)
+
+    def _scratch_d(self, numel: int) -> torch.Tensor:
+        """A reusable float32 buffer for a denominator used at once (not kept across buckets)."""
+        d = self._scratch.get("d")
+        if d is None or d.numel() < numel:
+            d = self._scratch["d"] = torch.empty(max(numel, max(b.numel for b in self._buckets)))
+        return d[:numel]
 
     def _local_update(self, b: _Bucket, h: kinds.Hyper, denom) -> torch.Tensor:
         g = self._scratch["g"]
@@ -719,7 +737,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if bool(torch.isfinite(g[:b.numel]).all()):
             if self.precondition_compression:
                 # v is frozen: bound |g|/s as Adam would once v had seen g (see _compress_grads)
-                bound = denom * kinds.normalized_gradient_bound(h, self._counters["exp_avg_sq_steps"])
+                bound = torch.mul(denom, kinds.normalized_gradient_bound(h, self._counters["exp_avg_sq_steps"]),
+                                  out=self._scratch["w"][:b.numel])
                 torch.minimum(g[:b.numel], bound, out=g[:b.numel])
                 torch.maximum(g[:b.numel], bound.neg_(), out=g[:b.numel])
             kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, self._mask_of(b))
@@ -735,7 +754,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def _local_step(self, step, k):
         for b in self._buckets:
             h = self._hyper(self.param_groups[b.group_index], step, k)
-            x = self._local_update(b, h, kinds.adam_denom(b.exp_avg_sq, h))
+            x = self._local_update(b, h, kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel)))
             self._scatter(x, b.params)
         self._advance_window(step)
 
@@ -751,8 +770,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         def fill(b, buf):
             group = self.param_groups[b.group_index]
             buf[b.numel:].zero_()
-            anchor = b.anchor.clone() if group["decay_product"] != 1.0 else b.anchor
-            kinds.sync_prepare(self._load_x(b), anchor, denoms[id(b)], group["decay_product"], buf[:b.numel],
+            kinds.sync_prepare(self._load_x(b), b.anchor, denoms[id(b)], group["decay_product"], buf[:b.numel],
                                self.precondition_compression)
 
         def consume(b, w):
