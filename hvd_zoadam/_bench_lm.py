@@ -12,7 +12,8 @@ Runs (``--run``):
   compute       the same training with no communication at all (the ceiling)
 
 Rank 0 writes ``--out``: steps/s over the steps after the first ``--skip`` (numba compiles
-and DDP's bucket rebuild happen there), wall seconds, mean train loss of the last 10 steps
+and DDP's bucket rebuild happen there), steps/s after ``--warmup`` (the steady state: 0/1
+Adam frozen, PowerSGD and local SGD started), wall seconds, mean train loss of the last 10 steps
 (averaged over ranks, except for ``compute``), and the run's own byte/round counts where it
 has them (hvd_zoadam's ``comm_stats()``; Adam's allreduce by formula).
 """
@@ -121,11 +122,12 @@ def main(argv=None):
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
-    losses = []
+    losses, stamps = [], {}
     start = None
     for step in range(1, args.steps + 1):
+        stamps[step] = time.perf_counter()
         if step == args.skip + 1:
-            start = time.perf_counter()
+            start = stamps[step]
         x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
         opt.zero_grad()
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
@@ -135,7 +137,10 @@ def main(argv=None):
             averager.average_parameters(model.parameters())
         sched.step()
         losses.append(loss.item())
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    elapsed = end - start
+    steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
+    steady = (args.steps - steady_from + 1) / (end - stamps[steady_from]) if steady_from <= args.steps else None
     final = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
     if hvd is not None:
         final = hvd.allreduce(final, op=hvd.Average, name="bench.final")
@@ -144,6 +149,7 @@ def main(argv=None):
         final /= world
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
+           "steady_steps_per_s": steady, "steady_from_step": steady_from,
            "params": n_params}
     if args.run == "zoadam":
         stats = opt.comm_stats()
