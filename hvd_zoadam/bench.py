@@ -109,6 +109,12 @@ def cmd_network(args) -> dict:
     from tqdm import tqdm
 
     from .netsim import Network
+    import signal
+
+    def on_term(signum, _frame):  # unwind, so every `with Network(...)` removes its namespaces
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_term)
     runs = args.runs.split(",")
     unknown = [r for r in runs if r not in RUN_LABELS]
     if unknown:

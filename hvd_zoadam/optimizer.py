@@ -135,7 +135,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                  compression, backward_passes_per_step: int, gradient_predivide_factor: float,
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
                  scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
-                 precondition_compression: bool = True, step_log: str | None = None):
+                 precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True):
         self._ready = False
         super().__init__(optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
@@ -150,6 +150,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.scale_block_numel = scale_block_numel
         self.auto_exp_avg_mask = auto_exp_avg_mask
         self.precondition_compression = precondition_compression
+        self.overlap = overlap
         self._step_log = None
         if step_log is not None and ("{rank}" in step_log or transport.rank == 0):
             self._step_log = step_log.format(rank=transport.rank)
@@ -169,6 +170,15 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._inv_grad_scale = None   # 1 / GradScaler's scale while scaler.step() drives us
         self._checked_layout = False
         self._mask_cache = {}
+        # Overlap with the backward pass (see _launch_ready): which bucket each param is in, how
+        # many of a bucket's params are ready, how far along the launch order we are, and the
+        # exchange started from the hooks for the coming step.
+        self._bucket_of = {}
+        self._ready_count = []
+        self._launch_pos = 0
+        self._early = None
+        self._amp_seen = False
+        self._warned_changed = False
         self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
         self._stats_extra = {"skipped_steps": 0, "adam_equivalent_bytes": 0}
         self._adam_equivalent_bytes = 0.0
@@ -237,8 +247,11 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                   for p in g["params"] if p.requires_grad]
         digest = hashlib.sha1(repr((layout, self.transport.world_size)).encode()).hexdigest()[:10]
         if not hasattr(self, "_uid_count"):
-            self._uid_count = _prefix_counts.get(digest, 0)
-            _prefix_counts[digest] = self._uid_count + 1
+            # counted per rank too, so that P thread-ranks in one process (the tests' in-process
+            # transport) name their collectives alike, as separate processes do
+            key = (digest, self.transport.rank)
+            self._uid_count = _prefix_counts.get(key, 0)
+            _prefix_counts[key] = self._uid_count + 1
         return f"{digest}.{self._uid_count}"
 
     def _build_group(self, index: int) -> None:
@@ -274,6 +287,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def _add_bucket(self, group_index: int, params: list) -> None:
+        for p in params:
+            self._bucket_of[p] = len(self._buckets)
+        self._ready_count.append(0)
         numels = [p.numel() for p in params]
         name = f"zoadam.{self._uid}.b{len(self._buckets)}"
         exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport, name)
@@ -319,7 +335,69 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                     f"{self._names.get(p)!r} of the optimizer {self._uid}; when several optimizers share a "
                     "model, call step() or zero_grad() on each one whose parameters got gradients.)")
             self._passes[p] += 1
+            if self._passes[p] == self.backward_passes_per_step and p in self._bucket_of and self._can_overlap():
+                self._ready_count[self._bucket_of[p]] += 1
+                self._launch_ready()
         return hook
+
+    def _reset_passes(self) -> None:
+        """Forget this step's backward passes; drain an exchange the hooks started (it was started
+        on every rank, so it is completed and its result dropped)."""
+        for p in self._passes:
+            self._passes[p] = 0
+        self._ready_count = [0] * len(self._buckets)
+        self._launch_pos = 0
+        self._drain_early()
+
+    def _drain_early(self) -> None:
+        early, self._early = self._early, None
+        if early is None or early["kind"] is None:
+            return
+        for started in early["handles"].values():
+            for handle, _, _ in started:
+                self.transport.wait(handle)
+
+    # -- overlap with the backward pass --------------------------------------------------------
+    @property
+    def _launch_order(self) -> list:
+        """Buckets in the order their exchanges start: last bucket first, because backward
+        produces the last layers' gradients first. The same on every rank (MPI needs it)."""
+        return list(range(len(self._buckets) - 1, -1, -1))
+
+    def _can_overlap(self) -> bool:
+        # Not before the first step's settings check (a mismatch must fail fast, not hang in a
+        # collective), and not under a GradScaler (its scale is known only in step()).
+        return (self.overlap and self.transport.supports_async and self.world_size > 1 and self._checked_layout
+                and not self._amp_seen
+                and self._pending is None and getattr(self, "_ready", False))
+
+    def _launch_ready(self) -> None:
+        """Start the coming VARIANCE step's allreduces for every bucket whose gradients are all
+        ready, in launch order. Other kinds start nothing early: a COMPRESSED step's round 1
+        carries a few scales per bucket, and its big rounds 2–3 need every rank's round 1
+        first; local steps send nothing; a SYNC step sends the update made in step()."""
+        if self._early is None:
+            step, kind = self._next_kind()
+            self._early = {"step": step, "kind": kind if kind is StepKind.VARIANCE else None, "handles": {}}
+        early = self._early
+        if early["kind"] is None:
+            return
+        order = self._launch_order
+        while self._launch_pos < len(order):
+            bi = order[self._launch_pos]
+            if self._ready_count[bi] < len(self._buckets[bi].params):
+                return
+            self._launch(bi)
+            self._launch_pos += 1
+
+    def _launch(self, bi: int) -> None:
+        early, b = self._early, self._buckets[bi]
+        self.transport.counter.kind = early["kind"].value
+        # What the allreduce read: checked in synchronize(), so that a gradient changed after
+        # backward() (e.g. clipped without synchronize()) is not silently left out.
+        early.setdefault("seen", {})[bi] = [(p.grad, p.grad._version if p.grad is not None else None)
+                                            for p in b.params]
+        early["handles"][bi] = self._start_average(b, copy=True)
 
     # -- per-step helpers --------------------------------------------------------------------
     @property
@@ -413,7 +491,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
         items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
                      scale_block_numel=self.scale_block_numel, auto_exp_avg_mask=self.auto_exp_avg_mask,
-                     precondition_compression=self.precondition_compression,
+                     precondition_compression=self.precondition_compression, overlap=self.overlap,
                      backward_passes_per_step=self.backward_passes_per_step,
                      compression=getattr(self.compression, "__name__", repr(self.compression)))
         for i, b in enumerate(self._buckets):
@@ -453,8 +531,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._pending = None
         self._synchronized = False
         self._exchanged = False
-        for p in self._passes:
-            self._passes[p] = 0
+        self._early = None  # handles of the old world: dropped, not waited for
+        self._reset_passes()
 
     # -- Horovod's contract --------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -467,39 +545,123 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self.on_reset()
             self._passes.update(passes)
         step, kind = self._next_kind()
+        armed = kind is StepKind.VARIANCE and self._can_overlap()  # the same on every rank
         self._check_params_unchanged()
         if not self._checked_layout:
             self._check_layout()
+        if self._early is not None and (self._early["step"] != step or self._early["kind"] not in (kind, None)):
+            self._drain_early()  # the schedule moved under us (a load between backward and step)
+        if armed:
+            self.transport.counter.kind = kind.value
+            self._early_changed_anywhere(step)
         skip = False
         self._exchanged = kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self.world_size > 1
         if self._exchanged:
             self.transport.counter.kind = kind.value
             skip = not (self._average_grads() if kind is StepKind.VARIANCE else self._compress_grads(step))
+        self._early = None
+        self._launch_pos = len(self._buckets)  # nothing more starts from the hooks this step
         self._pending = (step, kind, skip)
         self._synchronized = True
 
-    def _average_grads(self) -> bool:
-        g, ok = self._scratch["g"], True
-        for b in self._buckets:
-            self._grads_into(b, g)
-            buf = g[:b.numel]
-            f = self.gradient_predivide_factor
-            if self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor":
-                half = buf.to(torch.float16)
-                self._allreduce(half, f"{b.exchange.name}.avg", f)
-                buf.copy_(half)
-            else:
-                self._allreduce(buf, f"{b.exchange.name}.avg", f)
-            ok = ok and bool(torch.isfinite(buf).all())
-            self._write_grads(b, g)
+    def _fp16_wire(self) -> bool:
+        return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
+
+    def _early_changed_anywhere(self, step: int) -> bool:
+        """Whether some rank's gradients changed after the hooks started their allreduce
+        (e.g. clipped without synchronize()). One 4-byte allreduce, on every VARIANCE step
+        where overlap is armed (a rank-independent condition), so all ranks agree; True
+        means the early results are dropped and the step exchanges the gradients as they
+        are now, like overlap=False."""
+        changed = 0.0
+        for bi, seen in (self._early or {}).get("seen", {}).items():
+            b = self._buckets[bi]
+            if any(p.grad is not grad or (grad is not None and grad._version != version)
+                   for p, (grad, version) in zip(b.params, seen)):
+                changed = 1.0
+        flag = self.transport.allreduce_average_(torch.tensor([changed]), f"zoadam.{self._uid}.grads_changed.{step}")
+        if float(flag[0]) == 0.0:
+            return False
+        # Every rank completes the early allreduces of every bucket once (starting, with its
+        # current gradients, the ones its hooks did not start), so the names pair up; the
+        # results are dropped and the step then exchanges the current gradients.
+        early = self._early or {"handles": {}}
+        for bi in self._launch_order:
+            started = early["handles"].pop(bi, None)
+            if started is None:
+                started = self._start_average(self._buckets[bi], copy=True)
+            for handle, _, _ in started:
+                self.transport.wait(handle)
+        self._early = None
+        if not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn("hvd_zoadam: gradients changed after backward() had already started their allreduce "
+                          "(overlap with the backward pass, as in hvd.DistributedOptimizer); the step exchanges "
+                          "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
+                          "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
+                          "or build the optimizer with overlap=False.")
+        return True
+
+    def _start_average(self, b: _Bucket, copy: bool = False) -> list:
+        """Start Horovod's in-place average of each gradient of bucket ``b`` (names fixed per
+        tensor, so the hook path and the synchronize path pair up across ranks). Counted as
+        one round of the bucket's bytes, as Horovod fuses them. Returns per-tensor
+        (handle, wire tensor, float32 tensor) triples for :meth:`_finish_average`."""
+        f = self.gradient_predivide_factor
+        width = 2 if self._fp16_wire() else 4
+        p_ = self.world_size
+        self.transport.counter.add(2 * (p_ - 1) / p_ * width * b.numel)
+        out = []
+        for j, (p, name) in enumerate(zip(b.params, b.names)):
+            g = p.grad
+            if g is None:
+                g = p.grad = torch.zeros_like(p)
+            elif g.is_sparse:
+                if not self.sparse_as_dense:
+                    raise ValueError(f"parameter {name!r} got a sparse gradient; pass sparse_as_dense=True "
+                                     "to hvd_zoadam.DistributedOptimizer (0/1 Adam exchanges dense tensors)")
+                g = p.grad = g.to_dense()
+            g32 = g if (g.dtype == torch.float32 and g.is_contiguous() and not copy) else g.float().contiguous()
+            if g32 is g and copy:
+                g32 = g.clone()
+            if self._inv_grad_scale is not None:
+                g32.mul_(self._inv_grad_scale)
+            if f != 1.0:
+                g32.div_(f)
+            wire = g32.to(torch.float16) if width == 2 else g32
+            out.append((self.transport.start("allreduce", wire.view(-1), f"{b.exchange.name}.avg.{j}", count=False),
+                        wire, g32))
+        return out
+
+    def _finish_average(self, b: _Bucket, started: list) -> bool:
+        """Wait for :meth:`_start_average`'s allreduces; write the float32 averages into p.grad.
+        Returns False when one is non-finite."""
+        f, ok = self.gradient_predivide_factor, True
+        for p, (handle, wire, g32) in zip(b.params, started):
+            self.transport.wait(handle)
+            if wire is not g32:
+                g32.copy_(wire)
+            if f != 1.0:
+                g32.mul_(f)
+            ok = ok and bool(torch.isfinite(g32).all())
+            if p.grad is None:  # dropped after the hooks started its allreduce
+                p.grad = torch.zeros_like(p)
+            if g32 is not p.grad:
+                p.grad.copy_(g32.view_as(p.grad))
         return ok
 
-    def _allreduce(self, buf, name, predivide):
-        if predivide != 1.0:
-            buf.div_(predivide)
-        self.transport.allreduce_average_(buf, name)
-        if predivide != 1.0:
-            buf.mul_(predivide)
+    def _average_grads(self) -> bool:
+        early = self._early if (self._early and self._early.get("kind") is StepKind.VARIANCE) else None
+        started = {}
+        for bi in self._launch_order:
+            if early is not None and bi in early["handles"]:
+                started[bi] = early["handles"].pop(bi)
+            else:
+                started[bi] = self._start_average(self._buckets[bi])
+        ok = True
+        for bi in self._launch_order:
+            ok = self._finish_average(self._buckets[bi], started[bi]) and ok
+        return ok
 
     def _exchange_all(self, buckets, fill, consume) -> bool:
         """C(.) of every bucket in ``buckets``, in order. Returns False when skipped.
@@ -528,12 +690,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         # Pipelined in bucket order (the same on every rank, as MPI requires): each bucket's
         # collective is in flight while the next bucket's scales / signs / server chunk are
         # computed. Round 1 of every bucket completes before any error buffer changes.
-        handles = []
+        handles = {}
         for b in buckets:
             buf = g[:b.exchange.padded_numel]
             fill(b, buf)
-            handles.append(b.exchange.start_scales(buf))
-        prepared = [b.exchange.wait_scales(h) for b, h in zip(buckets, handles)]
+            handles[id(b)] = b.exchange.start_scales(buf)
+        prepared = [b.exchange.wait_scales(handles[id(b)]) for b in buckets]
         if any(scales is None for scales in prepared):
             return False
         handles = []
@@ -546,6 +708,24 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             consume(b, b.exchange.finish_gather(h, w[:b.numel]))
         return True
 
+    def _compress_denom(self, b: _Bucket, step: int):
+        """(s, clip) of bucket ``b`` for the preconditioned exchange of a COMPRESSED step, or None."""
+        if not self.precondition_compression:
+            return None
+        k = self._counters["exp_avg_sq_steps"]
+        h = self._hyper(self.param_groups[b.group_index], step, k)
+        return kinds.adam_denom(b.exp_avg_sq, h), kinds.normalized_gradient_bound(h, k)
+
+    def _fill_compressed(self, b: _Bucket, buf: torch.Tensor, step: int, pre=None) -> None:
+        """buf <- the exchange input of a COMPRESSED step: g, or g/s clipped (see _compress_grads)."""
+        pre = self._compress_denom(b, step) if pre is None else (pre or None)
+        buf[b.numel:].zero_()
+        self._grads_into(b, buf)
+        if pre is not None:
+            y = buf[:b.numel].div_(pre[0])
+            if bool(torch.isfinite(y).all()):  # a NaN/Inf must reach the scales: agreed skip
+                y.clamp_(-pre[1], pre[1])
+
     def _compress_grads(self, step: int) -> bool:
         """C(g) of every bucket into p.grad.
 
@@ -556,25 +736,14 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         coordinate whose gradient appears after v was last updated cannot blow up the scale of
         its block (README: "Compression domain").
         """
-        k = self._counters["exp_avg_sq_steps"]
-        denoms, clips = {}, {}
-        if self.precondition_compression:
-            for b in self._buckets:
-                h = self._hyper(self.param_groups[b.group_index], step, k)
-                denoms[id(b)] = kinds.adam_denom(b.exp_avg_sq, h)
-                clips[id(b)] = kinds.normalized_gradient_bound(h, k)
+        pre = {id(b): self._compress_denom(b, step) for b in self._buckets}
 
         def fill(b, buf):
-            buf[b.numel:].zero_()
-            self._grads_into(b, buf)
-            if denoms:
-                y = buf[:b.numel].div_(denoms[id(b)])
-                if bool(torch.isfinite(y).all()):  # a NaN/Inf must reach the scales: agreed skip
-                    y.clamp_(-clips[id(b)], clips[id(b)])
+            self._fill_compressed(b, buf, step, pre[id(b)] or False)
 
         def consume(b, w):
-            if denoms:
-                w.mul_(denoms[id(b)])
+            if pre[id(b)] is not None:
+                w.mul_(pre[id(b)][0])
             mask = self._mask_of(b)
             if mask is not None:
                 w.mul_(mask)
@@ -593,8 +762,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; also resets the backward-pass count of ``backward_passes_per_step``."""
-        for p in self._passes:
-            self._passes[p] = 0
+        self._reset_passes()
         super().zero_grad(set_to_none=set_to_none)
 
     # torch.amp.GradScaler calls step() on every rank, with grad_scale and found_inf set, instead of
@@ -613,6 +781,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step(), even after unscale_()
+            self._amp_seen = True  # from now on nothing starts from the hooks: the grads may be rescaled
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step()
         if grad_scale is not None:
             if self._pending is not None:
@@ -621,6 +791,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                     "call optimizer.synchronize() before it (the gradients would be exchanged at the loss "
                     "scale). To clip, call scaler.unscale_(optimizer) and clip the local gradients instead.")
             self._inv_grad_scale = 1.0 / float(grad_scale)
+            self._amp_seen = True
         try:
             return self._step(loss)
         finally:
@@ -651,8 +822,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         counters.update(step=step, exp_avg_sq_steps=k)
         if self._step_log:
             self._write_step_log(step, kind, skip, loss)
-        for p in self._passes:
-            self._passes[p] = 0
+        self._reset_passes()
         return loss
 
     def _enter_freeze(self, counters: dict) -> None:
@@ -915,7 +1085,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
                          bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
                          exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
-                         step_log=None):
+                         step_log=None, overlap=True):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam optimizer that communicates
     through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
@@ -962,7 +1132,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     a small CNN diverge here), and ``step_log`` (a path: append one JSON line per step with
     step, kind, lr, loss (from ``step(closure)`` or :meth:`ZeroOneAdamOptimizer.log_loss`),
     skipped, and the cumulative bytes sent and rounds; rank 0 only unless the path holds
-    ``{rank}``).
+    ``{rank}``), and ``overlap`` (default True: with P > 1, from the second step on, the
+    gradient hooks start a VARIANCE step's allreduces and a COMPRESSED step's round 1 for
+    each bucket as soon as all its gradients are ready, in a fixed bucket order, while the
+    backward pass goes on; not under ``torch.amp.GradScaler``, whose scale is only known in
+    ``step()``. False: everything starts in ``synchronize()``. Same results either way).
 
     Returns:
         A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
@@ -1028,4 +1202,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
         bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
         scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask),
-        precondition_compression=bool(precondition_compression), step_log=step_log)
+        precondition_compression=bool(precondition_compression), step_log=step_log, overlap=bool(overlap))

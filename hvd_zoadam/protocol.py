@@ -174,9 +174,9 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         raise TypeError(f"compressed_allreduce supports float32, float16 and bfloat16 tensors, got {tensor.dtype}")
     if n == 0:
         return tensor.clone()
-    if name is None:
-        compressed_allreduce.calls += 1
-        name = f"zoadam.car.{compressed_allreduce.calls}"
+    if name is None:  # numbered per rank, so thread-ranks sharing this process pair up too
+        count = compressed_allreduce.calls[t.rank] = compressed_allreduce.calls.get(t.rank, 0) + 1
+        name = f"zoadam.car.{count}"
     ex = Exchange([n], t, name, worker_error.view(-1), server_error.view(-1))
     y = torch.zeros(ex.padded_numel, dtype=torch.float32)
     y[:n].copy_(tensor.reshape(-1))
@@ -188,4 +188,4 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
     return out.view(tensor.shape).to(tensor.dtype)
 
 
-compressed_allreduce.calls = 0
+compressed_allreduce.calls = {}

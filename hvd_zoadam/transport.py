@@ -68,6 +68,7 @@ class Transport:
     """Base class: rank, world size and counted collectives on 1-D tensors."""
 
     name = "base"
+    supports_async = False  # True: start() returns before the peers arrive (overlap is possible)
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
@@ -103,9 +104,11 @@ class Transport:
     # above return). ``tensor`` must stay untouched until wait(). Every rank must start the
     # collectives of one transport in the same order (MPI matches nonblocking collectives on a
     # communicator by their order). This base class runs the collective inside start().
-    def start(self, op: str, tensor: torch.Tensor, name: str):
-        """Start ``op`` (``"allgather"``, ``"alltoall"`` or ``"allreduce"``, the in-place average)."""
-        self._count(op, tensor)
+    def start(self, op: str, tensor: torch.Tensor, name: str, count: bool = True):
+        """Start ``op`` (``"allgather"``, ``"alltoall"`` or ``"allreduce"``, the in-place average).
+        ``count=False``: the caller counts the bytes and rounds itself."""
+        if count:
+            self._count(op, tensor)
         return self._start(op, tensor, name)
 
     def _start(self, op, tensor, name):
@@ -133,6 +136,7 @@ class HorovodTransport(Transport):
     """
 
     name = "horovod"
+    supports_async = True
 
     def __init__(self, process_set=None, timeout_s: float | None = None):
         import horovod.torch as hvd
@@ -385,8 +389,22 @@ class ThreadGroup:
 
     def __init__(self, world_size: int, timeout_s: float = 60.0):
         self.world_size = world_size
+        self.timeout_s = timeout_s
         self.barrier = threading.Barrier(world_size, timeout=timeout_s)
         self.slots = [None] * world_size
+        # Nonblocking collectives, matched by name like Horovod's: the k-th start of a name on
+        # each rank pairs with the k-th start of that name on every other rank.
+        self.cond = threading.Condition()
+        self.pending = {}   # (name, k) -> {"values": [per rank], "left": ranks yet to wait}
+        self.started = {}   # (name, rank) -> starts so far
+        self.aborted = False
+
+    def abort(self) -> None:
+        """Release every rank blocked in a collective (one rank failed)."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+        self.barrier.abort()
 
     def transports(self) -> list["ThreadTransport"]:
         return [ThreadTransport(self, r) for r in range(self.world_size)]
@@ -396,6 +414,7 @@ class ThreadTransport(Transport):
     """One rank of a :class:`ThreadGroup`: collectives by exchange through shared slots."""
 
     name = "thread"
+    supports_async = True
 
     def __init__(self, group: ThreadGroup, rank: int):
         super().__init__(rank, group.world_size)
@@ -410,6 +429,42 @@ class ThreadTransport(Transport):
         out = list(g.slots)
         g.barrier.wait()
         return out
+
+    def _start(self, op, tensor, name):
+        g = self.group
+        with g.cond:
+            k = g.started.get((name, self.rank), 0)
+            g.started[(name, self.rank)] = k + 1
+            entry = g.pending.setdefault((name, k), {"values": [None] * self.world_size, "left": self.world_size})
+            entry["values"][self.rank] = tensor.clone()
+            g.cond.notify_all()
+        return ("thread", op, (name, k), tensor)
+
+    def wait(self, handle):
+        if handle[0] == "done":
+            return handle[1]
+        _, op, key, tensor = handle
+        g = self.group
+        with g.cond:
+            entry = g.pending[key]
+            if not g.cond.wait_for(lambda: g.aborted or all(v is not None for v in entry["values"]), g.timeout_s):
+                raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{key[0]}' did not complete within "
+                                             f"{g.timeout_s:g} s on thread-rank {self.rank}")
+            if g.aborted:
+                raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{key[0]}' was aborted (another rank failed)")
+            parts = entry["values"]
+            entry["left"] -= 1
+            if entry["left"] == 0:
+                del g.pending[key]
+        if op == "allgather":
+            return torch.cat(parts)
+        if op == "alltoall":
+            n = tensor.numel() // self.world_size
+            return torch.cat([p[self.rank * n:(self.rank + 1) * n] for p in parts])
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return tensor.copy_(total / self.world_size)
 
     def _allgather(self, tensor, name):
         return torch.cat(self._exchange(tensor))

@@ -77,7 +77,7 @@ def run_threads(world_size: int, fn, timeout_s: float = 60.0) -> list:
             results[rank] = fn(rank, transport)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors[rank] = exc
-            group.barrier.abort()
+            group.abort()
 
     threads = [threading.Thread(target=body, args=(r, t), daemon=True) for r, t in enumerate(group.transports())]
     for t in threads:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import warnings
+
 import pytest
 import torch
 
@@ -28,12 +30,15 @@ def test_a_nan_on_one_rank_skips_communicating_steps_everywhere():
         log = []
         for t in range(1, 13):
             opt.zero_grad()
-            common.loss_fn(model, t, rank).backward()
+            loss = common.loss_fn(model, t, rank)
             kind = opt._next_kind()[1]
             if t in poison:
                 assert kind is poison[t]
-                if rank == 1:
-                    model[0].weight.grad[0, 0] = float("nan")
+                if rank == 1:  # through the graph (the hooks may start the exchange during backward)
+                    loss = loss + model[0].weight[0, 0] * float("nan")
+            loss.backward()
+            if t in poison and rank == 1:
+                assert torch.isnan(model[0].weight.grad[0, 0]) and torch.isfinite(model[0].weight.grad[0, 1])
             before = [q.detach().clone() for q in model.parameters()]
             opt.step()
             moved = any(not torch.equal(a, q) for a, q in zip(before, model.parameters()))
@@ -64,8 +69,10 @@ def test_a_nan_on_one_rank_skips_communicating_steps_everywhere():
 
 def _amp_run(rank, transport, scale=None, overflow_at=None, steps=10, clip=False):
     model = common.mlp()
+    # Clipping the local gradients after backward() needs overlap=False without a GradScaler
+    # (with one, nothing starts before scaler.step()).
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
-                                          transport=transport, **KNOBS)
+                                          transport=transport, overlap=not (clip and not scale), **KNOBS)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3) if scale else None
     scales = []
     for t in range(1, steps + 1):
@@ -152,3 +159,46 @@ def test_half_precision_models_train_with_fp32_internals(dtype):
                    for b in opt_h._buckets)
         assert abs(loss_h - full[r][0]) <= 0.05 * full[r][0]
         assert all(torch.equal(a, b) for a, b in zip(params_h, half[0][1]))  # step 10 is a SYNC step
+
+
+def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step():
+    """With overlap (the default) the hooks start a VARIANCE step's allreduce during backward().
+    A gradient clipped afterwards without synchronize() on ONE rank is not silently left out:
+    the ranks agree, drop the early result, exchange the clipped gradients (bitwise as with
+    overlap=False) and warn once, naming the fix. Horovod's pattern (synchronize, clip,
+    skip_synchronize) needs no second exchange."""
+    def body(rank, transport, overlap, pattern):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
+                                              transport=transport, overlap=overlap, var_freeze_step=100,
+                                              var_update_scaler=10 ** 6)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(1, 6):
+                opt.zero_grad()
+                common.loss_fn(model, t, rank).backward()
+                if pattern == "horovod":
+                    opt.synchronize()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+                    with opt.skip_synchronize():
+                        opt.step()
+                else:
+                    if rank == 1:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+                    opt.step()
+        return ([q.detach().clone() for q in model.parameters()], [str(w.message) for w in caught],
+                opt.comm_stats()["variance"], opt._warned_changed)
+    late = run_threads(2, lambda r, tr: body(r, tr, True, "late"))
+    plain = run_threads(2, lambda r, tr: body(r, tr, False, "late"))
+    # (warnings.catch_warnings is process-wide: the two thread-ranks' records mix)
+    assert any("changed after backward()" in w and "opt.synchronize()" in w and "overlap=False" in w
+               for r in range(2) for w in late[r][1])
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(late[r][0], plain[r][0]))
+        assert late[r][3] is True  # both ranks redid the exchange and warned
+        assert late[r][2]["rounds"] == 1 + 4 * 3  # step 1; then a flag, the early round and the redo
+        assert plain[r][2]["rounds"] == 5
+    hvd_pattern = run_threads(2, lambda r, tr: body(r, tr, True, "horovod"))
+    for r in range(2):
+        assert not any("changed after backward()" in w for w in hvd_pattern[r][1]) and not hvd_pattern[r][3]
+        assert hvd_pattern[r][2]["rounds"] == 1 + 4 * 2  # the early allreduce and the flag

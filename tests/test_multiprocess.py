@@ -129,13 +129,29 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
     big_n = padded_numel(n, p)
     nseg = 4
     per_exchange = 4 * nseg * (p - 1) + (p - 1) / p * big_n / 8 + (p - 1) * (4 * nseg + big_n // p // 8)
-    assert abs(stats["variance"]["bytes_sent"] - stats["variance"]["steps"] * 2 * (p - 1) / p * 4 * n) <= 1
-    assert stats["variance"]["rounds"] == stats["variance"]["steps"]
+    # overlap (the default): from step 2 on, each VARIANCE step also allreduces a float32
+    # "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed)
+    flags = stats["variance"]["steps"] - 1
+    assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n + flags)
+               * 2 * (p - 1) / p * 4) <= 1
+    assert stats["variance"]["rounds"] == stats["variance"]["steps"] + flags
     assert stats["compressed"]["rounds"] == 3 * stats["compressed"]["steps"]
     assert abs(stats["compressed"]["bytes_sent"] - stats["compressed"]["steps"] * per_exchange) <= 1
     assert abs(stats["sync"]["bytes_sent"] - stats["sync"]["steps"] * per_exchange) <= 1
     assert abs(stats["adam_equivalent_bytes"] - common.TRAIN_STEPS * 2 * (p - 1) / p * 4 * n) <= 1
     assert stats["bytes_sent_total"] < stats["adam_equivalent_bytes"] / 3
+
+
+def test_overlap_with_backward_gives_the_same_parameters(job):
+    """Issue 6: the hooks start VARIANCE allreduces early and the 1-bit exchanges pipeline the
+    buckets; with several buckets the result equals overlap=False bit for bit, on every rank."""
+    p, ranks = job
+    for r in ranks:
+        on, off = r["overlap"][True], r["overlap"][False]
+        assert on["buckets"] >= 3
+        assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+        for kind in ("compressed", "sync"):
+            assert on["stats"][kind] == off["stats"][kind]
 
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
@@ -151,7 +167,8 @@ def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_pat
         assert r["stats"]["world_size"] == 2
     # per-set traffic equals a 2-rank job's: no collective spans the sets
     n = 8 * 4 + 4
-    assert ranks[0]["stats"]["variance"]["bytes_sent"] == round(ranks[0]["stats"]["variance"]["steps"] * 4 * n)
+    v = ranks[0]["stats"]["variance"]  # plus one 4-byte overlap flag per VARIANCE step after the first
+    assert v["bytes_sent"] == round(v["steps"] * 4 * n + 4 * (v["steps"] - 1))
     assert proc.returncode == 0
 
 

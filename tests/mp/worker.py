@@ -94,10 +94,22 @@ def scenario_train(out):
     out["train"] = res
 
 
+def scenario_overlap(out):
+    """Several buckets (bucket_cap_mb tiny), overlap on and off: the same parameters bit for bit."""
+    res = {}
+    for overlap in (True, False):
+        model, opt, _ = train(lambda m: hvd_zoadam.DistributedOptimizer(
+            torch.optim.AdamW(m.parameters(), lr=common.LR, weight_decay=0.01), named_parameters=m.named_parameters(),
+            transport=TRANSPORT, bucket_cap_mb=40 * 4 / 2 ** 20, overlap=overlap, **common.TRAIN), common.TRAIN_STEPS)
+        res[overlap] = {"params": [p.detach().clone() for p in model.parameters()], "buckets": len(opt._buckets),
+                        "stats": opt.comm_stats()}
+    out["overlap"] = res
+
+
 def main():
     hvd.init()
     out = {"rank": hvd.rank(), "size": hvd.size(), "mpi_enabled": hvd.mpi_enabled()}
-    for scenario in (scenario_car, scenario_adam_oracle, scenario_train):
+    for scenario in (scenario_car, scenario_adam_oracle, scenario_train, scenario_overlap):
         scenario(out)
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
 
