@@ -58,6 +58,7 @@ def parse(argv=None):
     ap.add_argument("--local-period", type=int, default=8)
     ap.add_argument("--master", default=os.environ.get("ZO_MASTER", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=29533)
+    ap.add_argument("--transport", default="auto", help="hvd_zoadam's transport for the zoadam run")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -97,7 +98,7 @@ def main(argv=None):
             opt = hvd_zoadam.DistributedOptimizer(
                 inner, named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
                 var_update_scaler=8, local_step_scaler=40, local_step_clipper=8, local_step_policy="lr",
-                scale_block_numel=256)
+                scale_block_numel=256, transport=args.transport)
         else:
             comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)

@@ -59,10 +59,13 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
            "--mca", "coll_tuned_allreduce_algorithm", "3", "-H", hosts, "-np", str(len(net.addresses)),
            "-x", "PATH", "-x", "PYTHONPATH", "-x", "HVD_ZOADAM_ROOT", "-x", "PYTHONUNBUFFERED",
-           "-x", "GLOO_SOCKET_IFNAME", *worker]
+           "-x", "GLOO_SOCKET_IFNAME", "-x", "NUMBA_NUM_THREADS", "-x", "OMP_NUM_THREADS", *worker]
     before = [_tx_bytes(ns) for ns in net.namespaces]
     env = dict(os.environ, HVD_ZOADAM_ROOT=str(ROOT), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
-               PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="zeth0")  # DDP's gloo: the link, not the hostname
+               PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="zeth0",  # DDP's gloo: the link, not the hostname
+               # One core per rank for every system (torch uses 1 thread): each simulated host has
+               # one rank, so hvd_zoadam would otherwise give Numba all cores per rank.
+               NUMBA_NUM_THREADS=os.environ.get("NUMBA_NUM_THREADS", "1"), OMP_NUM_THREADS="1")
     start = time.perf_counter()
     try:
         proc = net.run(cmd, timeout_s=args.run_timeout, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -227,6 +230,65 @@ def cmd_step(args) -> dict:
     return out
 
 
+# -- kernels ---------------------------------------------------------------------------------
+
+def cmd_kernels(args) -> dict:
+    """The compressor kernels at ``--numel`` float32 elements: input GB/s (bytes of y, or of
+    the packed signs for decompress, per second; best of ``--repeats`` after a warm-up)
+    against a ``copy_`` of the same bytes into a preallocated buffer."""
+    import numba
+    import torch
+
+    from . import native
+    from .layout import padded_numel
+    if args.device != "cpu":
+        raise SystemExit("--device cuda: the CUDA kernels are not in this release (CPU only)")
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    torch.set_num_threads(numba.get_num_threads())
+    n, p = args.numel, args.world_size
+    big = padded_numel(n, p)
+    offsets = list(range(0, n, args.block)) + [n]
+    plan = native.Plan(offsets, big, p, 0)
+    nseg = len(offsets) - 1
+    y = torch.zeros(big)
+    y[:n].normal_()
+    err = torch.zeros(big)
+    scales = torch.zeros(nseg)
+    packed = torch.zeros(big // 8, dtype=torch.uint8)
+    recv = torch.randint(0, 256, (p, big // p // 8), dtype=torch.uint8)
+    wscales = torch.rand(p, nseg)
+    serr = torch.zeros(big // p)
+    spacked = torch.zeros(big // p // 8, dtype=torch.uint8)
+    sscales = torch.zeros(nseg)
+    out = torch.zeros(n)
+    dst = torch.empty_like(y)
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(y))
+    copy_gbs = 4 * big / copy_s / 1e9
+    kernels = {
+        "worker_compress": (lambda: (native.worker_scales(y, err, plan, scales),
+                                     native.worker_pack(y, err, plan, scales, packed)), 4 * big),
+        "server_reduce": (lambda: native.server_reduce(recv, wscales, serr, plan, spacked, sscales), 4 * big // p),
+        "decompress": (lambda: native.decompress(packed, wscales, plan, out), 4 * n),
+    }
+    res = {"benchmark": "kernels", "device": "cpu", "numel": n, "world_size": p, "scale_block_numel": args.block,
+           "threads": numba.get_num_threads(), "copy_GBps": copy_gbs, "kernels": {}}
+    for name, (fn, nbytes) in kernels.items():
+        t = best(fn)
+        res["kernels"][name] = {"ms": t * 1e3, "GBps": nbytes / t / 1e9, "vs_copy": nbytes / t / 1e9 / copy_gbs}
+    return res
+
+
 # -- model -----------------------------------------------------------------------------------
 
 def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s: float, compute_s: float,
@@ -340,6 +402,14 @@ def main(argv=None) -> int:
     st.add_argument("--iters", type=int, default=10)
     st.add_argument("--repeats", type=int, default=5)
     st.add_argument("--json")
+    ke = sub.add_parser("kernels", help="the 1-bit compressor kernels against copy bandwidth")
+    ke.add_argument("--numel", type=int, default=1 << 24)
+    ke.add_argument("--threads", type=int, default=1)
+    ke.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ke.add_argument("--world-size", type=int, default=2)
+    ke.add_argument("--block", type=int, default=2048, help="elements per scale")
+    ke.add_argument("--repeats", type=int, default=5)
+    ke.add_argument("--json")
     mo = sub.add_parser("model", help="alpha-beta step-time model: validation and BERT-Large projection")
     mo.add_argument("--measured", help="a `bench network` JSON to validate against")
     mo.add_argument("--latency", type=float, default=1e-4, help="alpha on the simulated links, seconds")
@@ -356,6 +426,8 @@ def main(argv=None) -> int:
         report = cmd_network(args)
     elif args.cmd == "step":
         report = cmd_step(args)
+    elif args.cmd == "kernels":
+        report = cmd_kernels(args)
     else:
         report = cmd_model(args)
     text = json.dumps(report, indent=1)

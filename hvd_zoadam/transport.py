@@ -163,7 +163,7 @@ class HorovodTransport(Transport):
                     f"on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or the ranks issue "
                     "different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
             time.sleep(pause)
-            pause = min(0.005, pause + 0.0002)
+            pause = min(0.001, pause + 0.0001)
         try:
             return hvd.synchronize(handle)
         except HorovodInternalError as exc:
@@ -370,15 +370,19 @@ class MPITransport(HorovodTransport):
         if handle[0] != "mpi":
             return HorovodTransport.wait(self, handle)
         _, request, op, name, nbytes, recv, host_recv, device_recv, _ = handle
-        deadline, pause = time.monotonic() + self.timeout_s, 0.0
+        # MPI moves a nonblocking collective's data only inside MPI calls (no progress thread
+        # with the TCP transport), so poll without sleeping: a sleeping poll left the link idle
+        # between calls (measured on a 100 Mbit/s link: 0.69 steps/s instead of ...). sleep(0)
+        # still yields the core; the clock is read every 64 polls.
+        deadline, polls = time.monotonic() + self.timeout_s, 0
         while not request.Test():
-            if time.monotonic() > deadline:
+            polls += 1
+            if polls % 64 == 0 and time.monotonic() > deadline:
                 raise CollectiveTimeoutError(
                     f"hvd_zoadam: the {op} '{name}' ({nbytes} bytes, mpi4py) did not complete within "
                     f"{self.timeout_s:g} s on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or "
                     "the ranks issue different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
-            time.sleep(pause)
-            pause = min(0.002, pause + 0.0001)
+            time.sleep(0)
         if device_recv is not None:
             device_recv.copy_(host_recv)
         return recv

@@ -1,0 +1,68 @@
+"""Issue 6: the benchmarks run and print JSON (tiny settings; the numbers go in the README).
+
+``bench network`` needs root for the namespaces (CI runs as root); here it runs every system
+for a few steps of a tiny model over one shaped rate, to prove each launches and reports.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cmd
+
+from hvd_zoadam.bench import step_time
+
+
+def bench(*args, timeout_s=600):
+    proc = run_cmd([sys.executable, "-m", "hvd_zoadam.bench", *args], timeout_s=timeout_s)
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")
+def test_bench_network_runs_every_system_and_reports(tmp_path):
+    png = tmp_path / "n.png"
+    rep = bench("network", "--rate", "1gbit", "--steps", "6", "--warmup", "3", "--skip", "1", "--png", str(png),
+                "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+                "--batch-size", "4")
+    runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
+    assert set(runs) == {"adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute"}
+    for name, r in runs.items():
+        assert r["ok"], (name, r.get("error"))
+        assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["world_size"] == 2
+    # bytes on the wire: compute-only sends next to nothing, fp16 about half of fp32
+    assert runs["compute"]["wire_bytes_sent_per_rank"] < 0.05 * runs["adam"]["wire_bytes_sent_per_rank"]
+    assert 0.4 < runs["adam-fp16"]["wire_bytes_sent_per_rank"] / runs["adam"]["wire_bytes_sent_per_rank"] < 0.7
+    assert runs["zoadam"]["transport"].startswith("mpi")
+    assert "latency NOT shaped" in rep["note"] and png.stat().st_size > 0
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "zo" not in " ".join(line.split()[0] for line in out.splitlines() if line.startswith("zo"))
+
+
+def test_bench_step_reports_each_kind_against_adamw():
+    rep = bench("step", "--n-layer", "1", "--n-embd", "64", "--iters", "2", "--repeats", "1")
+    assert set(rep["kinds"]) == {"variance", "compressed", "local", "sync"}
+    for kind, r in rep["kinds"].items():
+        assert r["measured_kind"] == kind and r["ms"] > 0
+    assert rep["adamw_foreach_ms"] > 0 and isinstance(rep["met"], bool)
+
+
+def test_alpha_beta_model_formulas_and_projection():
+    # Adam fp32 on 2 workers, 1e6 params, 100 Mbit/s, no latency: 4 MB crosses once each way
+    t = step_time("adam", n=1e6, p=2, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.5)
+    assert t == pytest.approx(0.5 + 4e6 / 12.5e6)
+    assert step_time("adam-fp16", n=1e6, p=2, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.5) == \
+        pytest.approx(0.5 + 2e6 / 12.5e6)
+    # 0/1 Adam with only local steps costs compute only; with only syncs, 1/32 of Adam's bytes
+    assert step_time("zoadam", n=1e6, p=2, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.5,
+                     frac={"local": 1.0}) == pytest.approx(0.5)
+    assert step_time("zoadam", n=1e6, p=2, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0,
+                     frac={"sync": 1.0}) == pytest.approx(4e6 / 32 / 12.5e6)
+    rep = bench("model")
+    rows = rep["bert_large"]["rows"]
+    assert {(r["gbit_per_s"], r["workers"]) for r in rows} == {(g, w) for g in (10, 40, 100) for w in (16, 32, 64, 128)}
+    for r in rows:
+        assert r["zoadam_s"] <= r["1bit-adam_s"] <= r["adam-fp16_s"]
