@@ -66,3 +66,9 @@ def test_alpha_beta_model_formulas_and_projection():
     assert {(r["gbit_per_s"], r["workers"]) for r in rows} == {(g, w) for g in (10, 40, 100) for w in (16, 32, 64, 128)}
     for r in rows:
         assert r["zoadam_s"] <= r["1bit-adam_s"] <= r["adam-fp16_s"]
+
+
+def test_bench_kernels_reports_each_kernel_against_copy():
+    rep = bench("kernels", "--numel", "65536", "--repeats", "1")
+    assert set(rep["kernels"]) == {"worker_compress", "server_reduce", "decompress"}
+    assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())
