@@ -28,6 +28,7 @@ def scenario_car(out):
         outs = []
         for call in range(common.CAR_CALLS):
             outs.append(hvd_zoadam.compressed_allreduce(common.car_input(n, r, call), we, se, transport=TRANSPORT))
+        common.assert_same_on_all_ranks(hvd, outs, f"compressed_allreduce outputs, n={n}")
         res[n] = {"outs": outs, "we": we.clone(), "se": se.clone()}
     for dtype in (torch.float16, torch.bfloat16):
         n = 37
@@ -49,6 +50,7 @@ def scenario_car(out):
     except hvd_zoadam.NonFiniteError:
         res["nan"] = "raised"
     res["nan_untouched"] = torch.equal(we, before[0]) and torch.equal(se, before[1])
+    assert res["nan"] == "raised", "a NaN on the last rank must raise NonFiniteError on every rank"
     out["car"] = res
 
 
@@ -62,6 +64,8 @@ def train(make_opt, steps, record_sync=False):
         common.loss_fn(model, t, hvd.rank()).backward()
         kind = opt._next_kind()[1].value if isinstance(opt, hvd_zoadam.ZeroOneAdamOptimizer) else "adam"
         opt.step()
+        if kind in ("sync", "variance", "compressed", "adam"):
+            common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after {kind} step {t}")
         if record_sync:
             per_step.append({"kind": kind,
                              "params": [p.detach().clone() for p in model.parameters()],

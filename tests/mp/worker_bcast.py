@@ -55,6 +55,8 @@ def frozen_and_broadcasts(out):
     before = snapshot(opt)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     after = snapshot(opt)
+    common.assert_same_on_all_ranks(hvd, [t for d in after["state"].values() for t in d.values()],
+                                    "optimizer state after hvd.broadcast_optimizer_state")
     train(model, opt, 7, 8)
     out["frozen"] = {"unchanged": all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters())),
                      "frozen_in_state": any(p in opt.state for p in model[0].parameters()),

@@ -58,6 +58,10 @@ def main():
             extra = checkpoint.load(os.path.join(src, f"ckpt{s}"), model, opt)
             sched.load_state_dict(extra["scheduler"])
             res[f"loaded{s}"] = opt.schedule_state()
+            assert res[f"loaded{s}"]["step"] == extra["step"], "a load must restore the schedule, never reset it"
+            # (parameters may differ per rank: a save mid-window keeps each rank's local steps)
+            states = hvd.allgather_object(res[f"loaded{s}"])
+            assert all(st == states[0] for st in states), f"ckpt{s}: ranks resumed different schedules: {states}"
             res[f"next_kind{s}"] = opt._next_kind()[1].value
             run(model, opt, sched, extra["step"] + 1, common.CKPT_STEPS)
             res[f"resumed{s}"] = [p.detach().clone() for p in model.parameters()]

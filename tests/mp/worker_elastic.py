@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hvd_zoadam  # noqa: E402
+import common  # noqa: E402
 from common import loss_fn, mlp  # noqa: E402
 
 
@@ -51,6 +52,8 @@ def main():
             loss_fn(model, step, hvd.rank()).backward()
             opt.step()
             sched = opt.schedule_state()
+            if opt.schedule.kind(sched["step"]).value == "sync":
+                common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after sync {step}")
             records.append({
                 "step": step, "world": hvd.size(), "rank": hvd.rank(), "kind": opt.schedule.kind(sched["step"]).value,
                 "schedule": sched,
