@@ -149,7 +149,11 @@ def test_overlap_with_backward_gives_the_same_parameters(job):
     for r in ranks:
         on, off = r["overlap"][True], r["overlap"][False]
         assert on["buckets"] >= 3
-        assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+        if p <= 2:  # a sum of two is order-free: bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+        else:  # Horovod may fuse the early allreduces differently: the sum order of 3+ ranks moves the last bits
+            for a, b in zip(on["params"], off["params"]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         for kind in ("compressed", "sync"):
             assert on["stats"][kind] == off["stats"][kind]
 
