@@ -10,7 +10,8 @@ Shapes and dtypes (``N`` = padded numel of the bucket, ``C = N / P`` the chunk,
 =================  ======================  ===========================================
 argument           dtype, shape            meaning
 =================  ======================  ===========================================
-``y``              float32[N]              input; padding elements are 0
+``y``              float32, float16 or     input: at least the ``n`` real elements;
+                   bfloat16 [>= n]         elements past ``len(y)`` read as 0
 ``worker_error``   float32[N]              e_w, updated in place
 ``server_error``   float32[C]              e_s of this rank's chunk, updated in place
 ``offsets``        int64 ndarray[nseg+1]   segment boundaries, ``offsets[0] == 0``
@@ -25,7 +26,8 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["configure_threads", "Plan", "worker_scales", "worker_pack", "server_reduce", "decompress", "reference"]
+__all__ = ["configure_threads", "Plan", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+           "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
 def configure_threads(ranks_per_host: int) -> int:
@@ -46,7 +48,7 @@ def configure_threads(ranks_per_host: int) -> int:
 
 
 class Plan:
-    """Precomputed integer layout of one bucket for the CPU kernels (no tensors).
+    """Precomputed integer layout of one bucket for the kernels (no tensors).
 
     Args:
         offsets: segment boundaries, ints, ``offsets[-1]`` = real numel n.
@@ -67,31 +69,79 @@ class Plan:
         self.worker_tasks = cpu.make_tasks(self.offsets, 0, self.numel)
         self.server_tasks = cpu.make_tasks(self.offsets, self.chunk_start,
                                            self.chunk_start + self.chunk_numel)
+        self.unpack_tasks = cpu.make_tasks(self.offsets, 0, self.numel, chunk_numel=self.chunk_numel)
         self._worker_partial = np.zeros(len(self.worker_tasks), dtype=np.float64)
         self._server_partial = np.zeros(len(self.server_tasks), dtype=np.float64)
+        self._device = {}
+
+    def on(self, device: torch.device) -> dict:
+        """The plan's index arrays on ``device`` (CUDA), copied once and cached."""
+        key = str(device)
+        if key not in self._device:
+            from . import cuda as _cuda
+            self._device[key] = _cuda.device_plan(self, device)
+        return self._device[key]
 
 
-def _check_cpu(*tensors):
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise NotImplementedError(
-                "hvd_zoadam's compressor kernels run on CPU tensors only in this release; "
-                f"got a tensor on {t.device}. Move the model to the CPU or wait for the CUDA kernels.")
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _host_input(y: torch.Tensor) -> np.ndarray:
+    """numpy view of ``y`` for the CPU kernels: float32, or the bits of fp16/bf16 (cpu.load)."""
+    if y.dtype == torch.float32:
+        return y.numpy()
+    if y.dtype == torch.float16:
+        return y.view(torch.uint16).numpy()
+    if y.dtype == torch.bfloat16:
+        return y.view(torch.int16).numpy()
+    raise TypeError(f"y must be float32, float16 or bfloat16, got {y.dtype}")
+
+
+def _on_cuda(*tensors) -> bool:
+    """True when every tensor is on one CUDA device, False when all are on the CPU."""
+    types = {t.device.type for t in tensors}
+    if types == {"cpu"}:
+        return False
+    if types == {"cuda"} and len({t.device for t in tensors}) == 1:
+        return True
+    raise ValueError("hvd_zoadam's kernels need all their tensors on the CPU or all on one CUDA device, got "
+                     + ", ".join(sorted({str(t.device) for t in tensors})))
+
+
+def _words(packed: np.ndarray) -> np.ndarray:
+    """uint64 view of the whole 8-byte words of ``packed`` (made here, outside numba)."""
+    return packed[:packed.shape[0] // 8 * 8].view(np.uint64)
 
 
 def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: torch.Tensor) -> torch.Tensor:
-    """out[i] = ||(y + worker_error)[segment i]||_2 / sqrt(len_i), float64 sums. Returns ``out``."""
-    _check_cpu(y, worker_error, out)
-    cpu.sumsq_tasks(y.numpy(), worker_error.numpy(), plan.worker_tasks, plan._worker_partial)
+    """Pass 1 of the worker side: ``out[i] = ||(y + worker_error)[segment i]||_2 / sqrt(len_i)``.
+
+    Sums in float64 (spec §3). ``out``: float32[nseg]. Returns ``out``. A NaN/Inf in the
+    input makes that segment's scale non-finite (the agreed-skip signal of spec §5).
+    """
+    if _on_cuda(y, worker_error, out):
+        from . import cuda as _cuda
+        return _cuda.worker_scales(y, worker_error, plan, out)
+    cpu.sumsq_tasks(_host_input(y), worker_error.numpy(), plan.worker_tasks, plan._worker_partial)
     cpu.reduce_scales(plan.worker_tasks, plan._worker_partial, plan.offsets, 0, plan.numel, out.numpy())
     return out
 
 
 def worker_pack(y, worker_error, plan: Plan, scales, packed) -> torch.Tensor:
-    """packed <- bits of z = y + worker_error; worker_error <- z - scale*sign. Returns ``packed``."""
-    _check_cpu(y, worker_error, scales, packed)
-    cpu.worker_pack(y.numpy(), worker_error.numpy(), plan.offsets, scales.numpy(), packed.numpy())
+    """Pass 2 of the worker side: ``packed`` (uint8[N/8]) <- MSB-first bits of z = y + worker_error,
+    ``worker_error <- z - scale*sign`` on the real elements. Returns ``packed``."""
+    if _on_cuda(y, worker_error, scales, packed):
+        from . import cuda as _cuda
+        return _cuda.pack_update(y, worker_error, 0, plan, scales, packed)
+    pk = packed.numpy()
+    cpu.pack_update(_host_input(y), True, worker_error.numpy(), 0, plan.offsets, scales.numpy(), pk, _words(pk))
     return packed
+
+
+def worker_compress(y, worker_error, plan: Plan, scales, packed) -> torch.Tensor:
+    """Both worker passes (no exchange of the scales in between). Returns ``packed``."""
+    worker_scales(y, worker_error, plan, scales)
+    return worker_pack(y, worker_error, plan, scales, packed)
 
 
 def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, scales):
@@ -99,21 +149,70 @@ def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, sca
 
     ``recv``: uint8[P, C/8]; ``all_worker_scales``: float32[P, nseg]; writes
     ``packed`` uint8[C/8] and ``scales`` float32[nseg] (per piece of this chunk),
-    and sets ``server_error <- c - scale*sign``.
+    and sets ``server_error <- c - scale*sign`` (spec §3, server side). Returns
+    ``(packed, scales)``.
     """
-    _check_cpu(recv, all_worker_scales, server_error, packed, scales)
-    se = server_error.numpy()
-    cpu.server_average(recv.numpy(), all_worker_scales.numpy(), se, plan.offsets, plan.chunk_start)
-    cpu.sumsq_tasks_1(se, plan.server_tasks, plan.chunk_start, plan._server_partial)
+    if _on_cuda(recv, all_worker_scales, server_error, packed, scales):
+        from . import cuda as _cuda
+        return _cuda.server_reduce(recv, all_worker_scales, server_error, plan, packed, scales)
+    se, pk = server_error.numpy(), packed.numpy()
+    cpu.server_average(recv.numpy(), all_worker_scales.numpy(), se, plan.server_tasks, plan.chunk_start,
+                       plan._server_partial)
     cpu.reduce_scales(plan.server_tasks, plan._server_partial, plan.offsets, plan.chunk_start,
                       plan.chunk_start + plan.chunk_numel, scales.numpy())
-    cpu.server_pack(se, plan.offsets, scales.numpy(), plan.chunk_start, packed.numpy())
+    cpu.pack_update(se, False, se, plan.chunk_start, plan.offsets, scales.numpy(), pk, _words(pk))
     return packed, scales
 
 
 def decompress(packed, all_server_scales, plan: Plan, out) -> torch.Tensor:
-    """out[j] = server_scale[chunk(j), segment(j)] * sign_j for j < out.numel(). Returns ``out``."""
-    _check_cpu(packed, all_server_scales, out)
-    if out.numel():
-        cpu.decompress(packed.numpy(), all_server_scales.numpy(), plan.offsets, plan.chunk_numel, out.numpy())
+    """``out[j] = server_scale[chunk(j), segment(j)] * sign_j`` for the n real elements.
+
+    ``packed``: uint8[N/8], the allgathered server chunks; ``all_server_scales``:
+    float32[P, nseg]; ``out``: float32[>= n]. Returns ``out``.
+    """
+    if _on_cuda(packed, all_server_scales, out):
+        from . import cuda as _cuda
+        return _cuda.decompress(packed, all_server_scales, plan, out)
+    if plan.numel:
+        cpu.decompress(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel, out.numpy())
     return out
+
+
+def decompress_momentum(packed, all_server_scales, plan: Plan, exp_avg, beta1: float) -> torch.Tensor:
+    """COMPRESSED step 2 (spec §2) straight from the packed result, without materialising ĝ:
+    ``exp_avg <- exp_avg + (1 - beta1) * (ĝ - exp_avg)`` (``torch.lerp`` form, float32).
+
+    ``exp_avg``: float32[n]. Returns ``exp_avg``.
+    """
+    if _on_cuda(packed, all_server_scales, exp_avg):
+        from . import cuda as _cuda
+        return _cuda.decompress_momentum(packed, all_server_scales, plan, exp_avg, beta1)
+    if plan.numel:
+        cpu.decompress_momentum(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
+                                exp_avg.numpy(), 1.0 - beta1)
+    return exp_avg
+
+
+_NO_MASK = np.zeros(0, dtype=np.bool_)
+
+
+def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp_avg, denom, factor: float,
+                    decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
+    """SYNC steps 5-7 (spec §2) straight from the packed result w, bitwise as
+    :func:`hvd_zoadam.kinds.sync_finish` after ``anchor.mul_(decay_product)``:
+
+    w <- w·mask; x_a <- x_a·decay_product; preconditioned: x = x_a − w, m = (w·s)·factor;
+    otherwise x = x_a − w/s, m = w·factor; then x_a <- x. ``factor`` is (1 − β1^t)/Λ.
+
+    ``anchor``, ``param`` (x), ``exp_avg``, ``denom`` (s): float32[n]; ``mask``: bool[n] or None.
+    """
+    tensors = [packed, all_server_scales, anchor, param, exp_avg, denom] + ([mask] if mask is not None else [])
+    if _on_cuda(*tensors):
+        from . import cuda as _cuda
+        return _cuda.decompress_sync(packed, all_server_scales, plan, anchor, param, exp_avg, denom, factor,
+                                     decay_product, mask, preconditioned)
+    if plan.numel:
+        cpu.decompress_sync(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
+                            anchor.numpy(), param.numpy(), exp_avg.numpy(), denom.numpy(),
+                            _NO_MASK if mask is None else mask.numpy(), float(decay_product), float(factor),
+                            bool(preconditioned))

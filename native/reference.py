@@ -120,3 +120,32 @@ def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets, n
         lo, hi = q * chunk_numel, (q + 1) * chunk_numel
         out[lo:hi] = _expand(all_server_scales[q], offsets, lo, hi) * signs[lo:hi]
     return out[:numel]
+
+
+def decompress_momentum(packed, all_server_scales, offsets, exp_avg: torch.Tensor, beta1: float) -> torch.Tensor:
+    """COMPRESSED step 2 (spec §2) from the packed result: ``exp_avg <- exp_avg + (1-β1)·(ĝ - exp_avg)``.
+
+    Each operation rounds to float32 once, in this order (the kernels do the same).
+    ``exp_avg``: float32[n], updated in place and returned.
+    """
+    g = decompress(packed, all_server_scales, offsets, exp_avg.numel())
+    w = torch.tensor(1.0 - beta1, dtype=torch.float32)
+    return exp_avg.add_((g - exp_avg) * w)
+
+
+def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_avg, denom, factor: float,
+                    decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
+    """SYNC steps 5-7 (spec §2) from the packed result w: see :func:`hvd_zoadam.kinds.sync_finish`,
+    after ``anchor.mul_(decay_product)``. ``factor`` = (1 − β1^t)/Λ."""
+    w = decompress(packed, all_server_scales, offsets, anchor.numel())
+    if mask is not None:
+        w.mul_(mask)
+    if decay_product != 1.0:
+        anchor.mul_(decay_product)
+    if preconditioned:
+        torch.sub(anchor, w, out=param)
+        torch.mul(w, denom, out=exp_avg).mul_(factor)
+    else:
+        torch.sub(anchor, w / denom, out=param)
+        torch.mul(w, factor, out=exp_avg)
+    anchor.copy_(param)

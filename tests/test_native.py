@@ -146,3 +146,118 @@ def test_kernels_do_not_depend_on_the_thread_count():
         pk = native.worker_pack(y, e, plan, s, torch.zeros(y.numel() // 8, dtype=torch.uint8))
         outs.append((s, pk, e))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+# -- input dtypes, sizes past one block / task, unpadded inputs, fused consumers (issue 3) ----------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_decode_exactly_for_every_bit_pattern(dtype):
+    """All 65 536 fp16 / bf16 values: the kernels see exactly ``y.float()``."""
+    y = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    n = y.numel()
+    finite = torch.isfinite(y.float())
+    y = torch.where(finite, y, torch.zeros((), dtype=dtype))  # NaN/Inf would (rightly) poison the scales
+    offsets = list(range(0, n + 1, 64))
+    plan = native.Plan(offsets, n, 1, 0)
+    e = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    e_ref = e.clone()
+    want_scales = reference.worker_scales(y.float(), e_ref, offsets)
+    got_scales = native.worker_scales(y, e, plan, torch.zeros(len(offsets) - 1))
+    torch.testing.assert_close(got_scales, want_scales, rtol=1e-6, atol=0)
+    want_packed = reference.worker_pack(y.float(), e_ref, offsets, want_scales)
+    got_packed = native.worker_pack(y, e, plan, want_scales, torch.zeros(n // 8, dtype=torch.uint8))
+    assert torch.equal(got_packed, want_packed) and torch.equal(e, e_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_specials_give_non_finite_scales(dtype):
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = torch.zeros(16, dtype=dtype)
+        y[3] = bad
+        s = native.worker_scales(y, torch.zeros(16), native.Plan([0, 8, 16], 16, 1, 0), torch.zeros(2))
+        assert not torch.isfinite(s[0]) and s[1] == 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(numels=st.lists(st.integers(1, 40_000), min_size=1, max_size=6), p=st.integers(1, 8),
+       seed=st.integers(0, 2 ** 31 - 1), unpadded=st.booleans())
+def test_kernels_past_one_block_and_one_task(numels, p, seed, unpadded):
+    """Buckets of up to ~240K elements (many 4096-element blocks, 65 536-element tasks, odd
+    segment boundaries): worker, server and decompress bitwise as the reference given the same
+    scales; with ``unpadded`` the input holds only the n real elements."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(numels)
+    big = padded_numel(n, p)
+    offsets = segment_offsets(numels)
+    y = torch.zeros(big)
+    y[:n] = torch.randn(n, generator=gen)
+    e = torch.zeros(big)
+    e[:n] = torch.randn(n, generator=gen) * 0.1
+    e_ref = e.clone()
+    plan = native.Plan(offsets, big, p, seed % p)
+    got_scales = native.worker_scales(y[:n] if unpadded else y, e, plan, torch.zeros(len(numels)))
+    want_scales = reference.worker_scales(y, e, offsets)
+    torch.testing.assert_close(got_scales, want_scales, rtol=1e-6, atol=0)
+    got = native.worker_pack(y[:n] if unpadded else y, e, plan, want_scales, torch.zeros(big // 8, dtype=torch.uint8))
+    assert torch.equal(got, reference.worker_pack(y, e_ref, offsets, want_scales))
+    assert torch.equal(e, e_ref)
+    chunk = big // p
+    recv = torch.randint(0, 256, (p, chunk // 8), generator=gen, dtype=torch.uint8)
+    wscales = torch.rand(p, len(numels), generator=gen)
+    se = torch.randn(chunk, generator=gen) * 0.1
+    se[max(0, min(chunk, n - plan.chunk_start)):] = 0
+    se_ref = se.clone()
+    want_pk, want_sc = reference.server_reduce(recv, wscales, se_ref, offsets, plan.chunk_start)
+    got_pk, got_sc = native.server_reduce(recv, wscales, se, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
+                                          torch.zeros(len(numels)))
+    torch.testing.assert_close(got_sc, want_sc, rtol=1e-6, atol=0)
+    assert torch.equal(got_pk, want_pk)
+    if torch.equal(got_sc, want_sc):
+        assert torch.equal(se, se_ref)
+    sscales = torch.rand(p, len(numels), generator=gen)
+    assert torch.equal(native.decompress(got, sscales, plan, torch.empty(n)),
+                       reference.decompress(got, sscales, offsets, n))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=cases(), beta1=st.sampled_from([0.0, 0.9, 0.99]))
+def test_decompress_into_momentum_is_bitwise_the_reference(case, beta1):
+    numels, p, y, e, gen = case
+    offsets = segment_offsets(numels)
+    n = sum(numels)
+    packed = torch.randint(0, 256, (y.numel() // 8,), generator=gen, dtype=torch.uint8)
+    sscales = torch.rand(p, len(numels), generator=gen)
+    m = e[:n].clone()
+    want = reference.decompress_momentum(packed, sscales, offsets, m.clone(), beta1)
+    got = native.decompress_momentum(packed, sscales, native.Plan(offsets, y.numel(), p, 0), m, beta1)
+    assert torch.equal(got, want)
+    g = reference.decompress(packed, sscales, offsets, n)  # and torch's lerp (an FMA) to rounding
+    torch.testing.assert_close(got, e[:n].clone().lerp_(g, 1 - beta1), rtol=1e-6, atol=1e-7 * float(sscales.max()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=cases(), preconditioned=st.booleans(), decay=st.sampled_from([1.0, 0.999]), masked=st.booleans())
+def test_decompress_sync_is_bitwise_the_optimizer_path(case, preconditioned, decay, masked):
+    """The fused SYNC rebuild equals ``anchor.mul_(decay); kinds.sync_finish(...)`` bit for bit."""
+    from hvd_zoadam import kinds
+    numels, p, y, e, gen = case
+    offsets = segment_offsets(numels)
+    n = sum(numels)
+    packed = torch.randint(0, 256, (y.numel() // 8,), generator=gen, dtype=torch.uint8)
+    sscales = torch.rand(p, len(numels), generator=gen)
+    anchor = y[:n].clone()
+    denom = torch.rand(n, generator=gen) + 1e-3
+    mask = torch.rand(n, generator=gen) > 0.3 if masked else None
+    h = kinds.Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                    bias_correction=True, step=50, exp_avg_sq_steps=10)
+    lr_sum = 0.0173
+    a1, x1, m1 = anchor.clone(), torch.empty(n), torch.empty(n)
+    w = reference.decompress(packed, sscales, offsets, n)
+    if decay != 1.0:
+        a1.mul_(decay)
+    kinds.sync_finish(x1, a1, m1, denom, w, lr_sum, h, mask, preconditioned)
+    a2, x2, m2 = anchor.clone(), torch.empty(n), torch.empty(n)
+    native.decompress_sync(packed, sscales, native.Plan(offsets, y.numel(), p, 0), anchor=a2, param=x2,
+                           exp_avg=m2, denom=denom, factor=h.bias_correction1 / lr_sum, decay_product=decay,
+                           mask=mask, preconditioned=preconditioned)
+    assert torch.equal(x2, x1) and torch.equal(m2, m1) and torch.equal(a2, a1)

@@ -1,0 +1,165 @@
+"""The numba.cuda kernels against the CPU kernels and the torch reference (issue 3).
+
+These run where the CUDA kernels can run: under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, CPU tensors, small sizes: ~0.3 ms per simulated
+thread; ``tests/test_cuda_simulator.py`` starts them so in CI) or on a real GPU
+(``native/device_check.sh``, CUDA tensors, sizes up to ``HVD_ZOADAM_CUDA_TEST_NUMEL``).
+Elsewhere they skip. The kernels use no warp intrinsics, so the simulator covers the
+very code paths the GPU runs; what it cannot show is speed and real concurrency.
+
+What must hold (issue 3, "two targets, one semantics"): bits and errors bitwise the
+CPU kernels' for the same scales; scales equal up to float64 summation order.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import config, cuda
+
+from hvd_zoadam import native
+from hvd_zoadam.layout import padded_numel, segment_offsets
+from hvd_zoadam.native import reference
+
+SIM = bool(config.ENABLE_CUDASIM)
+pytestmark = pytest.mark.skipif(not (SIM or (cuda.is_available() and torch.cuda.is_available())),
+                                reason="needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU")
+DEV = "cpu" if SIM else "cuda"
+MAX_NUMEL = int(os.environ.get("HVD_ZOADAM_CUDA_TEST_NUMEL", "3000" if SIM else "3000000"))
+EXAMPLES = int(os.environ.get("HVD_ZOADAM_CUDA_TEST_EXAMPLES", "8" if SIM else "40"))
+
+if SIM or DEV == "cuda":
+    from hvd_zoadam.native import cuda as kcuda
+
+
+def dev(t):
+    return t.to(DEV)
+
+
+@st.composite
+def cases(draw, max_numel=MAX_NUMEL):
+    nseg = draw(st.integers(1, 5))
+    numels = draw(st.lists(st.integers(1, max(1, max_numel // nseg)), min_size=nseg, max_size=nseg))
+    p = draw(st.integers(1, 8))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(numels)
+    big = padded_numel(n, p)
+    y = torch.zeros(big)
+    y[:n] = torch.randn(n, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
+    for idx, val in draw(st.lists(st.tuples(st.integers(0, n - 1),
+                                            st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 1e-30, 1.0])), max_size=6)):
+        y[idx] = val
+    y = y.to(dtype)
+    e = torch.zeros(big)
+    e[:n] = torch.randn(n, generator=gen) * 0.1
+    return numels, p, y, e, gen
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=cases(), unpadded=st.booleans())
+def test_worker_side_matches_the_cpu_kernels(case, unpadded):
+    numels, p, y, e, _ = case
+    n, big = sum(numels), y.numel()
+    offsets = segment_offsets(numels)
+    plan = native.Plan(offsets, big, p, 0)
+    y_in = y[:n] if unpadded else y
+    cpu_scales = native.worker_scales(y_in, e.clone(), plan, torch.zeros(len(numels)))
+    want = reference.worker_scales(y.float(), e, offsets)
+    ge = dev(e.clone())
+    got_scales = kcuda.worker_scales(dev(y_in), ge, plan, dev(torch.zeros(len(numels))))
+    torch.testing.assert_close(got_scales.cpu(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_scales.cpu(), cpu_scales, rtol=1e-6, atol=0)
+    # bits and errors: bitwise the CPU kernel's, given the same scales
+    ce = e.clone()
+    cpu_packed = native.worker_pack(y_in, ce, plan, cpu_scales, torch.zeros(big // 8, dtype=torch.uint8))
+    gpk = dev(torch.zeros(big // 8, dtype=torch.uint8))
+    kcuda.pack_update(dev(y_in), ge, 0, plan, dev(cpu_scales), gpk)
+    assert torch.equal(gpk.cpu(), cpu_packed)
+    assert torch.equal(ge.cpu(), ce)
+    assert torch.equal(cpu_packed, reference.worker_pack(y.float(), e.clone(), offsets, cpu_scales))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=cases(), rank_seed=st.integers(0, 7))
+def test_server_side_matches_the_cpu_kernels(case, rank_seed):
+    numels, p, y, _, gen = case
+    offsets = segment_offsets(numels)
+    big = y.numel()
+    chunk = big // p
+    rank = rank_seed % p
+    plan = native.Plan(offsets, big, p, rank)
+    recv = torch.randint(0, 256, (p, chunk // 8), generator=gen, dtype=torch.uint8)
+    wscales = torch.rand(p, len(numels), generator=gen)
+    se = torch.zeros(chunk)
+    real = max(0, min(chunk, sum(numels) - rank * chunk))
+    se[:real] = torch.randn(real, generator=gen) * 0.1
+    cse, gse = se.clone(), dev(se.clone())
+    cpk, csc = native.server_reduce(recv, wscales, cse, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
+                                    torch.zeros(len(numels)))
+    gpk, gsc = kcuda.server_reduce(dev(recv), dev(wscales), gse, plan, dev(torch.zeros(chunk // 8, dtype=torch.uint8)),
+                                   dev(torch.zeros(len(numels))))
+    torch.testing.assert_close(gsc.cpu(), csc, rtol=1e-6, atol=0)
+    assert torch.equal(gpk.cpu(), cpk)
+    if torch.equal(gsc.cpu(), csc):  # same scales: bitwise the same errors
+        assert torch.equal(gse.cpu(), cse)
+    else:
+        torch.testing.assert_close(gse.cpu(), cse, rtol=1e-5, atol=1e-6)
+    assert gse.cpu()[real:].eq(0).all()
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=cases(), beta1=st.sampled_from([0.0, 0.9]), preconditioned=st.booleans(), masked=st.booleans())
+def test_unpacking_kernels_match_the_cpu_kernels(case, beta1, preconditioned, masked):
+    numels, p, y, e, gen = case
+    n, big = sum(numels), y.numel()
+    offsets = segment_offsets(numels)
+    plan = native.Plan(offsets, big, p, 0)
+    packed = torch.randint(0, 256, (big // 8,), generator=gen, dtype=torch.uint8)
+    sscales = torch.rand(p, len(numels), generator=gen)
+    out = dev(torch.empty(n))
+    kcuda.decompress(dev(packed), dev(sscales), plan, out)
+    assert torch.equal(out.cpu(), reference.decompress(packed, sscales, offsets, n))
+    m = e[:n].clone()
+    gm = dev(m.clone())
+    kcuda.decompress_momentum(dev(packed), dev(sscales), plan, gm, beta1)
+    assert torch.equal(gm.cpu(), native.decompress_momentum(packed, sscales, plan, m, beta1))
+    anchor = y[:n].float()
+    denom = torch.rand(n, generator=gen) + 1e-3
+    mask = torch.rand(n, generator=gen) > 0.3 if masked else None
+    kw = dict(factor=0.37, decay_product=0.999, preconditioned=preconditioned)
+    a1, x1, m1 = anchor.clone(), torch.empty(n), torch.empty(n)
+    native.decompress_sync(packed, sscales, plan, anchor=a1, param=x1, exp_avg=m1, denom=denom, mask=mask, **kw)
+    a2, x2, m2 = dev(anchor.clone()), dev(torch.empty(n)), dev(torch.empty(n))
+    kcuda.decompress_sync(dev(packed), dev(sscales), plan, a2, x2, m2, dev(denom), kw["factor"], kw["decay_product"],
+                          None if mask is None else dev(mask), preconditioned)
+    assert torch.equal(x2.cpu(), x1) and torch.equal(m2.cpu(), m1) and torch.equal(a2.cpu(), a1)
+
+
+def test_bits_are_msb_first_on_a_hand_example():
+    y = torch.tensor([1.0, -1.0, 0.0, -0.0, -2.0, -3.0, -1e-30, 5.0,   # 1 0 1 1 0 0 0 1
+                      -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 1e-45])  # 0 ... 0 1
+    plan = native.Plan([0, 16], 16, 1, 0)
+    e = dev(torch.zeros(16))
+    pk = dev(torch.zeros(2, dtype=torch.uint8))
+    kcuda.pack_update(dev(y), e, 0, plan, dev(torch.ones(1)), pk)
+    assert pk.cpu().tolist() == [0b10110001, 0b00000001]
+
+
+def test_dispatch_follows_the_device():
+    """native.* send CUDA tensors to these kernels (on a GPU) and refuse mixed devices."""
+    y = torch.randn(64)
+    plan = native.Plan([0, 64], 64, 1, 0)
+    if DEV == "cuda":
+        s = native.worker_scales(y.cuda(), torch.zeros(64, device="cuda"), plan, torch.zeros(1, device="cuda"))
+        assert s.is_cuda
+        torch.testing.assert_close(s.cpu(), reference.worker_scales(y, torch.zeros(64), [0, 64]))
+        with pytest.raises(ValueError, match="all on one CUDA device"):
+            native.worker_scales(y, torch.zeros(64, device="cuda"), plan, torch.zeros(1))
+    else:
+        s = native.worker_scales(y, torch.zeros(64), plan, torch.zeros(1))
+        torch.testing.assert_close(s, reference.worker_scales(y, torch.zeros(64), [0, 64]))
