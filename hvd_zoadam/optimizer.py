@@ -271,8 +271,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                                 "floating-point parameters")
             if p.device.type != "cpu":
                 raise NotImplementedError(
-                    f"parameter {self._names.get(p)!r} is on {p.device}: this release of hvd_zoadam runs on "
-                    "CPU tensors only (the CUDA kernels come in a later release)")
+                    f"parameter {self._names.get(p)!r} is on {p.device}: this release of hvd_zoadam's optimizer "
+                    "runs on CPU tensors only (the CUDA compressor kernels exist in hvd_zoadam.native, but the "
+                    "optimizer's buffers and exchange are not yet device-aware); move the model to the CPU")
         by_device = {}
         for p in trainable:
             by_device.setdefault((p.device, p.dtype), []).append(p)
@@ -663,11 +664,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             ok = self._finish_average(self._buckets[bi], started[bi]) and ok
         return ok
 
-    def _exchange_all(self, buckets, fill, consume) -> bool:
+    def _exchange_all(self, buckets, fill, consume, consume_packed=None) -> bool:
         """C(.) of every bucket in ``buckets``, in order. Returns False when skipped.
 
         ``fill(bucket, buf)`` writes the input into the padded scratch ``buf``;
-        ``consume(bucket, w)`` receives the float32[n] result. All buckets' scales are exchanged
+        ``consume(bucket, w)`` receives the float32[n] result, or, when P > 1 and
+        ``consume_packed`` is given, ``consume_packed(bucket, packed, server_scales)`` receives
+        it still packed (a fused kernel then unpacks it). All buckets' scales are exchanged
         first, so a non-finite input anywhere skips every bucket before any error buffer
         changes (spec §5). The input is filled again for the second phase because the scratch
         is shared by all buckets (it is recomputed bitwise alike).
@@ -705,7 +708,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             handles.append(b.exchange.start_signs(buf, scales))
         handles = [b.exchange.start_server(h, scales) for b, h, scales in zip(buckets, handles, prepared)]
         for b, h in zip(buckets, handles):
-            consume(b, b.exchange.finish_gather(h, w[:b.numel]))
+            if consume_packed is not None:
+                consume_packed(b, *b.exchange.gather(h))
+            else:
+                consume(b, b.exchange.finish_gather(h, w[:b.numel]))
         return True
 
     def _compress_denom(self, b: _Bucket, step: int):
@@ -955,9 +961,23 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 b.exchange.mask_errors(mask)
             self._scatter(x, b.params)
 
+        def consume_packed(b, packed, server_scales):
+            # the same as consume(), fused: w is unpacked straight into x, m and the anchor
+            group = self.param_groups[b.group_index]
+            x = b.master if b.master is not None else self._scratch["x"][:b.numel]
+            mask = self._mask_of(b)
+            native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x,
+                                   exp_avg=b.exp_avg, denom=denoms[id(b)],
+                                   factor=self._hyper(group, step, k).bias_correction1 / group["lr_sum"],
+                                   decay_product=group["decay_product"], mask=mask,
+                                   preconditioned=self.precondition_compression)
+            if mask is not None:
+                b.exchange.mask_errors(mask)
+            self._scatter(x, b.params)
+
         # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
         live = [b for b in self._buckets if self.param_groups[b.group_index]["lr_sum"] > 0]
-        if self._exchange_all(live, fill, consume):
+        if self._exchange_all(live, fill, consume, consume_packed):
             for group in self.param_groups:
                 group["lr_sum"], group["decay_product"] = 0.0, 1.0
 

@@ -124,13 +124,18 @@ class Exchange:
                              self._server_packed, self._server_scales)
         return self.transport.start("allgather", self._server_msg, f"{self.name}.server")
 
-    def finish_gather(self, server_handle, out: torch.Tensor) -> torch.Tensor:
-        """Wait for round 3 and decompress C(y) into ``out`` (float32[numel])."""
+    def gather(self, server_handle):
+        """Wait for round 3. Returns C(y) still packed: (uint8[N/8] signs of every chunk in rank
+        order, float32[P, nseg] server scales), for the fused consumers of :mod:`.native`."""
         p = self.transport.world_size
         gathered = self.transport.wait(server_handle).view(p, -1)
         packed = gathered[:, 4 * self.nseg:].reshape(-1)
         server_scales = gathered[:, :4 * self.nseg].contiguous().view(torch.float32).view(p, self.nseg)
-        return native.decompress(packed, server_scales, self.plan, out)
+        return packed, server_scales
+
+    def finish_gather(self, server_handle, out: torch.Tensor) -> torch.Tensor:
+        """Wait for round 3 and decompress C(y) into ``out`` (float32[numel])."""
+        return native.decompress(*self.gather(server_handle), self.plan, out)
 
 
 def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,

@@ -278,11 +278,10 @@ def device_plan(plan, device) -> dict:
             "server_partial": np.zeros(max(1, len(plan.server_tasks)))}
     if SIMULATOR:
         return {k: np.ascontiguousarray(v) for k, v in host.items()}
-    out = {}
-    for k, v in host.items():
-        t = torch.from_numpy(np.ascontiguousarray(v)).to(device)
-        out[k] = (t, cuda.as_cuda_array(t))  # keep the tensor alive with its view
-    return {k: v[1] for k, v in out.items()}
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in host.items()}
+    out = {k: cuda.as_cuda_array(t) for k, t in tensors.items()}
+    out["_tensors"] = tensors  # the views do not own the memory: keep the tensors alive with them
+    return out
 
 
 def _plan_arrays(plan, like: torch.Tensor) -> dict:

@@ -68,7 +68,19 @@ def test_alpha_beta_model_formulas_and_projection():
         assert r["zoadam_s"] <= r["1bit-adam_s"] <= r["adam-fp16_s"]
 
 
+def test_bench_kernels_refuses_cuda_without_a_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    proc = subprocess.run([sys.executable, "-m", "hvd_zoadam.bench", "kernels", "--device", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+
+
 def test_bench_kernels_reports_each_kernel_against_copy():
     rep = bench("kernels", "--numel", "65536", "--repeats", "1")
-    assert set(rep["kernels"]) == {"worker_compress", "server_reduce", "decompress"}
+    assert set(rep["kernels"]) == {"worker_compress", "server_reduce", "decompress", "decompress_momentum",
+                                   "decompress_sync"}
+    assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # issue 3's CPU targets are reported
+    assert isinstance(rep["kernels"]["decompress_momentum"]["met"], bool)
     assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())

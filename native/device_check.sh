@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Device check of the numba.cuda kernels (issue 3), for a machine with an NVIDIA GPU.
+#
+#   bash native/device_check.sh            # from the repository root, in the project's venv
+#
+# Runs tests/cuda on CUDA tensors at full size (up to NUMEL elements per case; CI runs the
+# same tests under the CUDA simulator at ~3000), then `bench kernels --device cuda` at 2^24
+# elements for fp32, fp16 and bf16 inputs. Needs torch with CUDA, numba's CUDA target
+# (numba-cuda on newer numba), pytest and hypothesis. Takes well under 5 minutes; the
+# results land in $OUT (default /tmp/hvd_zoadam_device_check, or the device tool's $OUT).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+OUT=${OUT:-/tmp/hvd_zoadam_device_check}
+NUMEL=${NUMEL:-4000000}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+"$PY" - <<'PY' | tee "$OUT/env.txt"
+import numba, torch
+from numba import cuda
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+assert cuda.is_available(), "numba's CUDA target sees no device (install numba-cuda / the CUDA toolkit's NVVM)"
+print("torch", torch.__version__, "cuda", torch.version.cuda, "numba", numba.__version__,
+      "gpu", torch.cuda.get_device_name())
+PY
+
+HVD_ZOADAM_CUDA_TEST_NUMEL=$NUMEL HVD_ZOADAM_CUDA_TEST_EXAMPLES=${EXAMPLES:-20} \
+    timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/cuda 2>&1 | tee "$OUT/tests.txt"
+
+for dtype in float32 float16 bfloat16; do
+    timeout 90 "$PY" -m hvd_zoadam.bench kernels --device cuda --numel 16777216 --dtype "$dtype" --repeats 20 \
+        --json "$OUT/kernels_cuda_$dtype.json" >/dev/null
+done
+"$PY" - "$OUT" <<'PY'
+import json, sys, pathlib
+for f in sorted(pathlib.Path(sys.argv[1]).glob("kernels_cuda_*.json")):
+    rep = json.loads(f.read_text())
+    print(rep["dtype"], "copy %.0f GB/s" % rep["copy_GBps"],
+          ", ".join("%s %.2fx%s" % (k, v["vs_copy"], "" if v.get("met", True) else " (below 0.6x)")
+                    for k, v in rep["kernels"].items()))
+PY
