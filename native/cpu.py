@@ -25,15 +25,18 @@ How they reach memory speed on one core:
 
 Input dtypes: ``y`` is float32, or the bits of a float16 tensor as ``uint16`` or of
 a bfloat16 tensor as ``int16`` (numba has no half types on the CPU); :func:`load`
-decodes them exactly to float32.
+decodes them exactly to float32 with two LLVM intrinsics (``fpext half``; a shift and a
+bitcast), which vectorise. ``_f16_to_f32`` / ``_bf16_to_f32`` are the same decodes in plain
+arithmetic, used by the CUDA kernels; the tests check the two agree on all 65 536 patterns.
 """
 from __future__ import annotations
 
 import sys
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 if sys.byteorder != "little":  # the uint64 word packing assumes little-endian stores
     raise ImportError("hvd_zoadam.native.cpu needs a little-endian CPU")
@@ -98,8 +101,27 @@ def _bf16_to_f32(b):
     return np.float32(-v if neg else v)
 
 
-f16_to_f32 = njit(_f16_to_f32)
-bf16_to_f32 = njit(_bf16_to_f32)
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """float32 of IEEE binary16 bits (uint16): LLVM's fpext, exact (vcvtph2ps where the CPU has F16C)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """float32 of bfloat16 bits (int16): the bits are the top half of the float32's, exact."""
+    sig = types.float32(types.int16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return sig, codegen
 
 
 @overload(load)
@@ -107,9 +129,9 @@ def _load_impl(y, i):
     if y.dtype == types.float32:
         return lambda y, i: y[i]
     if y.dtype == types.uint16:
-        return lambda y, i: f16_to_f32(np.int64(y[i]))
+        return lambda y, i: _half_bits_to_f32(y[i])
     if y.dtype == types.int16:
-        return lambda y, i: bf16_to_f32(np.int64(y[i]) & 0xFFFF)
+        return lambda y, i: _bf16_bits_to_f32(y[i])
     raise TypeError("y must be float32, or float16/bfloat16 bits as uint16/int16")
 
 

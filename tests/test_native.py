@@ -261,3 +261,15 @@ def test_decompress_sync_is_bitwise_the_optimizer_path(case, preconditioned, dec
                            exp_avg=m2, denom=denom, factor=h.bias_correction1 / lr_sum, decay_product=decay,
                            mask=mask, preconditioned=preconditioned)
     assert torch.equal(x2, x1) and torch.equal(m2, m1) and torch.equal(a2, a1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_cuda_kernels_arithmetic_decode_is_exact_for_every_bit_pattern(dtype):
+    """The CUDA kernels decode half inputs arithmetically (cpu._f16_to_f32 / _bf16_to_f32); the
+    CPU kernels use LLVM's conversions. Both must be torch's ``.float()`` on all 65 536 patterns."""
+    from hvd_zoadam.native import cpu
+    decode = cpu._f16_to_f32 if dtype == torch.float16 else cpu._bf16_to_f32
+    want = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    got = torch.tensor([decode(b) for b in range(1 << 16)], dtype=torch.float32)
+    same = (got == want) & (torch.signbit(got) == torch.signbit(want))
+    assert bool((same | (torch.isnan(got) & torch.isnan(want))).all())
