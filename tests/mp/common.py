@@ -54,14 +54,22 @@ LR = 1e-2
 CKPT_STEPS = 22
 
 
-def assert_same_on_all_ranks(hvd, tensors, what: str) -> None:
+def assert_same_on_all_ranks(hvd, tensors, what: str, process_set=None) -> None:
     """Fail this job at once (non-zero exit, naming ``what``) when ``tensors`` differ across ranks.
 
     The pytest side checks the saved results against the oracle; this makes a cross-rank
     divergence stop the job where it happens instead of surfacing as a later mismatch.
     """
+    digests = digests_by_rank(hvd, tensors, process_set)
+    assert len(set(digests)) == 1, f"{what}: not bitwise identical across ranks (digests by rank: {digests})"
+
+
+def digests_by_rank(hvd, tensors, process_set=None) -> list:
+    """A short digest of ``tensors`` from every rank of ``process_set`` (default: all), in rank order."""
     h = hashlib.sha1()
     for t in tensors:
         h.update(t.detach().contiguous().numpy().tobytes())
-    digests = hvd.allgather_object(h.hexdigest()[:12])
-    assert len(set(digests)) == 1, f"{what}: not bitwise identical across ranks (digests by rank: {digests})"
+    if process_set is None:
+        return hvd.allgather_object(h.hexdigest()[:12])
+    mine = torch.tensor(list(h.digest()[:6]), dtype=torch.uint8).view(1, 6)
+    return [bytes(row.tolist()).hex() for row in hvd.allgather(mine, process_set=process_set)]

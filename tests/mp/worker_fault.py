@@ -35,7 +35,10 @@ def main():
         opt.zero_grad()
         common.loss_fn(model, t, hvd.rank()).backward()
         opt.step()
+        if t < 5:  # every step exchanges here (freeze at 3, a sync every step after): x alike on all ranks
+            common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after step {t}")
     print("TRAINING FINISHED", flush=True)
+    raise AssertionError(f"rank {hvd.rank()} finished training although a peer was dead or stalled")
 
 
 if __name__ == "__main__":

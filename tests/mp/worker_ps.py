@@ -35,6 +35,13 @@ def main():
         model(x).pow(2).mean().backward()
         kinds.append(opt._next_kind()[1].value)
         opt.step()
+    # fail fast here too: one model per set, bitwise alike inside it, different across sets;
+    # one schedule everywhere
+    params = list(model.parameters())
+    common.assert_same_on_all_ranks(hvd, params, "parameters inside a process set", process_set=mine)
+    everywhere = common.digests_by_rank(hvd, params)
+    assert everywhere[0] != everywhere[2], f"the two process sets trained the same model: {everywhere}"
+    assert len({tuple(k) for k in hvd.allgather_object(kinds)}) == 1, "ranks disagree on the step kinds"
     torch.save({"rank": rank, "params": [p.detach().clone() for p in model.parameters()], "kinds": kinds,
                 "stats": opt.comm_stats()}, os.path.join(sys.argv[1], f"rank{rank}.pt"))
     hvd.barrier()  # a rank that exits shuts Horovod down for everyone: wait for the other set
