@@ -26,7 +26,7 @@ How they reach memory speed on one core:
 Input dtypes: ``y`` is float32, or the bits of a float16 tensor as ``uint16`` or of
 a bfloat16 tensor as ``int16`` (numba has no half types on the CPU); :func:`load`
 decodes them exactly to float32 with two LLVM intrinsics (``fpext half``; a shift and a
-bitcast), which vectorise. ``_f16_to_f32`` / ``_bf16_to_f32`` are the same decodes in plain
+bitcast), which vectorise. ``_half_to_f32`` is the same decode in plain
 arithmetic, used by the CUDA kernels; the tests check the two agree on all 65 536 patterns.
 """
 from __future__ import annotations
@@ -73,34 +73,29 @@ def load(y, i):
     raise NotImplementedError  # only inside jitted code
 
 
+def _half_to_f32(h, mant_bits, bias):
+    """Exact float32 of a 16-bit float with 1 sign bit, ``15 - mant_bits`` exponent bits and the
+    given exponent ``bias``: IEEE binary16 is (10, 15), bfloat16 is (7, 127). ``h``: the bits, an int."""
+    exp_max = (1 << (15 - mant_bits)) - 1
+    ex = (h >> mant_bits) & exp_max
+    mant = h & ((1 << mant_bits) - 1)
+    if ex == exp_max:
+        v = np.inf if mant == 0 else np.nan
+    elif ex == 0:   # subnormal: mant * 2**(1 - bias - mant_bits), exact in float64
+        v = mant * 2.0 ** (1 - bias - mant_bits)
+    else:
+        v = ((1 << mant_bits) + mant) * 2.0 ** (ex - bias - mant_bits)
+    return np.float32(-v if (h >> 15) & 1 else v)
+
+
 def _f16_to_f32(h):
     """Exact float32 of the IEEE binary16 with bits ``h`` (an int)."""
-    neg = (h >> 15) & 1
-    ex = (h >> 10) & 0x1F
-    mant = h & 0x3FF
-    if ex == 0x1F:
-        v = np.inf if mant == 0 else np.nan
-    elif ex == 0:
-        v = mant * 5.9604644775390625e-08          # mant * 2**-24, exact
-    else:
-        v = (1024 + mant) * 2.0 ** (ex - 25)
-    return np.float32(-v if neg else v)
+    return _half_to_f32(h, 10, 15)
 
 
 def _bf16_to_f32(b):
     """Exact float32 of the bfloat16 with bits ``b`` (an int; the top half of a float32)."""
-    neg = (b >> 15) & 1
-    ex = (b >> 7) & 0xFF
-    mant = b & 0x7F
-    if ex == 0xFF:
-        v = np.inf if mant == 0 else np.nan
-    elif ex == 0:
-        v = mant * 2.0 ** -133
-    else:
-        v = (128 + mant) * 2.0 ** (ex - 134)
-    return np.float32(-v if neg else v)
-
-
+    return _half_to_f32(b, 7, 127)
 
 
 @intrinsic

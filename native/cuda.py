@@ -35,7 +35,7 @@ import torch
 from numba import config as _config
 from numba import cuda, float64, int64, uint8
 
-from .cpu import _bf16_to_f32, _f16_to_f32, make_tasks
+from .cpu import _half_to_f32, make_tasks
 
 TPB = 256
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
@@ -48,18 +48,17 @@ def _identity(v):
     return v
 
 
-_decode_f16 = cuda.jit(device=True)(_f16_to_f32)
-_decode_bf16 = cuda.jit(device=True)(_bf16_to_f32)
+_decode_half = cuda.jit(device=True)(_half_to_f32)
 
 
 @cuda.jit(device=True)
 def _decode_f16_bits(v):
-    return _decode_f16(int64(v) & 0xFFFF)
+    return _decode_half(int64(v) & 0xFFFF, 10, 15)
 
 
 @cuda.jit(device=True)
 def _decode_bf16_bits(v):
-    return _decode_bf16(int64(v) & 0xFFFF)
+    return _decode_half(int64(v) & 0xFFFF, 7, 127)
 
 
 @cuda.jit(device=True)
@@ -74,6 +73,24 @@ def _segment_of(offsets, j):
         else:
             hi = mid - 1
     return lo
+
+
+@cuda.jit(device=True)
+def _block_first_segment(offsets, seg_sh, j0):
+    """The segment of bucket element ``j0`` (the block's first), found once by thread 0 and shared
+    through ``seg_sh`` (int64[1] in shared memory). Every thread of the block must call it."""
+    if cuda.threadIdx.x == 0:
+        seg_sh[0] = _segment_of(offsets, j0)
+    cuda.syncthreads()
+    return seg_sh[0]
+
+
+@cuda.jit(device=True)
+def _walk(offsets, seg, j):
+    """The segment of element ``j``, walking forward from segment ``seg`` (<= j's)."""
+    while offsets[seg + 1] <= j:
+        seg += 1
+    return seg
 
 
 # -- kernels, one set per input dtype -------------------------------------------------------
@@ -118,19 +135,14 @@ def _make_kernels(decode):
         n_el = e.shape[0]
         numel = offsets[offsets.shape[0] - 1]
         ny = y.shape[0] if has_y else 0
-        if tid == 0:
-            seg_sh[0] = _segment_of(offsets, base + i0)
-        cuda.syncthreads()
+        seg0 = _block_first_segment(offsets, seg_sh, base + i0)
         bit = 1
         if i < n_el:
             z = decode(y[i]) + e[i] if i < ny else e[i]
             bit = 1 if z >= 0 else 0
             j = base + i
             if j < numel:
-                seg = seg_sh[0]
-                while offsets[seg + 1] <= j:
-                    seg += 1
-                s = scales[seg]
+                s = scales[_walk(offsets, seg0, j)]
                 e[i] = z - s if bit else z + s
         bits_sh[tid] = bit
         cuda.syncthreads()
@@ -175,14 +187,10 @@ def _server_average(recv, wscales, server_error, chunk_start, offsets):
     i0 = cuda.blockIdx.x * TPB
     i = i0 + tid
     numel = offsets[offsets.shape[0] - 1]
-    if tid == 0:
-        seg_sh[0] = _segment_of(offsets, chunk_start + i0)
-    cuda.syncthreads()
+    seg0 = _block_first_segment(offsets, seg_sh, chunk_start + i0)
     j = chunk_start + i
     if i < server_error.shape[0] and j < numel:
-        seg = seg_sh[0]
-        while offsets[seg + 1] <= j:
-            seg += 1
+        seg = _walk(offsets, seg0, j)
         world_size = recv.shape[0]
         sh = 7 - (i & 7)
         acc = np.float32(0.0)
@@ -195,9 +203,7 @@ def _server_average(recv, wscales, server_error, chunk_start, offsets):
 @cuda.jit(device=True)
 def _unpacked(packed, sscales, offsets, chunk_numel, seg0, j):
     """(value, seg) of bucket element j: its chunk's server scale times its sign."""
-    seg = seg0
-    while offsets[seg + 1] <= j:
-        seg += 1
+    seg = _walk(offsets, seg0, j)
     s = sscales[j // chunk_numel, seg]
     return (s if (packed[j >> 3] >> (7 - (j & 7))) & 1 else -s), seg
 
@@ -212,11 +218,9 @@ def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weigh
     j0 = cuda.blockIdx.x * TPB
     j = j0 + tid
     numel = offsets[offsets.shape[0] - 1]
-    if tid == 0:
-        seg_sh[0] = _segment_of(offsets, j0)
-    cuda.syncthreads()
+    seg0 = _block_first_segment(offsets, seg_sh, j0)
     if j < numel:
-        w, _ = _unpacked(packed, sscales, offsets, chunk_numel, seg_sh[0], j)
+        w, _ = _unpacked(packed, sscales, offsets, chunk_numel, seg0, j)
         if mode == 0:
             out[j] = w
         elif mode == 1:

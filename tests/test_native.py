@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hvd_zoadam import native
 from hvd_zoadam.layout import padded_numel, segment_offsets
 from hvd_zoadam.native import reference
+from kernel_cases import bucket_cases, server_inputs
 
 
 def test_bits_are_msb_first_and_both_zeros_are_plus_one():
@@ -35,25 +36,7 @@ def test_worker_side_on_a_hand_example():
     assert e[6:].eq(0).all()  # padding error stays 0
 
 
-layouts = st.lists(st.integers(1, 700), min_size=1, max_size=5)
-specials = st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1e-30, 1.0])
-
-
-@st.composite
-def cases(draw):
-    numels = draw(layouts)
-    p = draw(st.integers(1, 8))
-    n = sum(numels)
-    big = padded_numel(n, p)
-    seed = draw(st.integers(0, 2 ** 31 - 1))
-    gen = torch.Generator().manual_seed(seed)
-    y = torch.zeros(big)
-    y[:n] = torch.randn(n, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
-    for idx, val in draw(st.lists(st.tuples(st.integers(0, n - 1), specials), max_size=6)):
-        y[idx] = val
-    e = torch.zeros(big)
-    e[:n] = torch.randn(n, generator=gen) * 0.1
-    return numels, p, y, e, gen
+cases = bucket_cases
 
 
 @settings(max_examples=80, deadline=None)
@@ -82,11 +65,7 @@ def test_server_kernels_match_the_reference(case, rank_seed):
     big = y.numel()
     chunk = big // p
     rank = rank_seed % p
-    recv = torch.randint(0, 256, (p, chunk // 8), generator=gen, dtype=torch.uint8)
-    wscales = torch.rand(p, len(numels), generator=gen)
-    se = torch.zeros(chunk)
-    real = max(0, min(chunk, sum(numels) - rank * chunk))
-    se[:real] = torch.randn(real, generator=gen) * 0.1
+    recv, wscales, se, real = server_inputs(gen, numels, big, p, rank)
     se_ref = se.clone()
     plan = native.Plan(offsets, big, p, rank)
     want_packed, want_scales = reference.server_reduce(recv, wscales, se_ref, offsets, rank * chunk)
@@ -202,10 +181,7 @@ def test_kernels_past_one_block_and_one_task(numels, p, seed, unpadded):
     assert torch.equal(got, reference.worker_pack(y, e_ref, offsets, want_scales))
     assert torch.equal(e, e_ref)
     chunk = big // p
-    recv = torch.randint(0, 256, (p, chunk // 8), generator=gen, dtype=torch.uint8)
-    wscales = torch.rand(p, len(numels), generator=gen)
-    se = torch.randn(chunk, generator=gen) * 0.1
-    se[max(0, min(chunk, n - plan.chunk_start)):] = 0
+    recv, wscales, se, _ = server_inputs(gen, numels, big, p, plan.rank)
     se_ref = se.clone()
     want_pk, want_sc = reference.server_reduce(recv, wscales, se_ref, offsets, plan.chunk_start)
     got_pk, got_sc = native.server_reduce(recv, wscales, se, plan, torch.zeros(chunk // 8, dtype=torch.uint8),

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from numba import config, cuda
 
 from hvd_zoadam import native
-from hvd_zoadam.layout import padded_numel, segment_offsets
+from hvd_zoadam.layout import segment_offsets
 from hvd_zoadam.native import reference
+from kernel_cases import bucket_cases, server_inputs
 
 SIM = bool(config.ENABLE_CUDASIM)
 pytestmark = pytest.mark.skipif(not (SIM or (cuda.is_available() and torch.cuda.is_available())),
@@ -39,25 +40,10 @@ def dev(t):
     return t.to(DEV)
 
 
-@st.composite
-def cases(draw, max_numel=MAX_NUMEL):
-    nseg = draw(st.integers(1, 5))
-    numels = draw(st.lists(st.integers(1, max(1, max_numel // nseg)), min_size=nseg, max_size=nseg))
-    p = draw(st.integers(1, 8))
-    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
-    seed = draw(st.integers(0, 2 ** 31 - 1))
-    gen = torch.Generator().manual_seed(seed)
-    n = sum(numels)
-    big = padded_numel(n, p)
-    y = torch.zeros(big)
-    y[:n] = torch.randn(n, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
-    for idx, val in draw(st.lists(st.tuples(st.integers(0, n - 1),
-                                            st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 1e-30, 1.0])), max_size=6)):
-        y[idx] = val
-    y = y.to(dtype)
-    e = torch.zeros(big)
-    e[:n] = torch.randn(n, generator=gen) * 0.1
-    return numels, p, y, e, gen
+def cases():
+    """Buckets of up to ~MAX_NUMEL elements, float32/float16/bfloat16 inputs; no ±3e38 (Inf in fp16)."""
+    return bucket_cases(max_seg_numel=max(1, MAX_NUMEL // 5), dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                        specials=(0.0, -0.0, 1e-40, -1e-40, 1e-30, 1.0))
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -93,11 +79,7 @@ def test_server_side_matches_the_cpu_kernels(case, rank_seed):
     chunk = big // p
     rank = rank_seed % p
     plan = native.Plan(offsets, big, p, rank)
-    recv = torch.randint(0, 256, (p, chunk // 8), generator=gen, dtype=torch.uint8)
-    wscales = torch.rand(p, len(numels), generator=gen)
-    se = torch.zeros(chunk)
-    real = max(0, min(chunk, sum(numels) - rank * chunk))
-    se[:real] = torch.randn(real, generator=gen) * 0.1
+    recv, wscales, se, real = server_inputs(gen, numels, big, p, rank)
     cse, gse = se.clone(), dev(se.clone())
     cpk, csc = native.server_reduce(recv, wscales, cse, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
                                     torch.zeros(len(numels)))
