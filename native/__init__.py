@@ -108,11 +108,6 @@ def _on_cuda(*tensors) -> bool:
                      + ", ".join(sorted({str(t.device) for t in tensors})))
 
 
-def _words(packed: np.ndarray) -> np.ndarray:
-    """uint64 view of the whole 8-byte words of ``packed`` (made here, outside numba)."""
-    return packed[:packed.shape[0] // 8 * 8].view(np.uint64)
-
-
 def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: torch.Tensor) -> torch.Tensor:
     """Pass 1 of the worker side: ``out[i] = ||(y + worker_error)[segment i]||_2 / sqrt(len_i)``.
 
@@ -134,7 +129,7 @@ def worker_pack(y, worker_error, plan: Plan, scales, packed) -> torch.Tensor:
         from . import cuda as _cuda
         return _cuda.pack_update(y, worker_error, 0, plan, scales, packed)
     pk = packed.numpy()
-    cpu.pack_update(_host_input(y), True, worker_error.numpy(), 0, plan.offsets, scales.numpy(), pk, _words(pk))
+    cpu.pack_update(_host_input(y), True, worker_error.numpy(), 0, plan.offsets, scales.numpy(), pk)
     return packed
 
 
@@ -160,7 +155,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, sca
                        plan._server_partial)
     cpu.reduce_scales(plan.server_tasks, plan._server_partial, plan.offsets, plan.chunk_start,
                       plan.chunk_start + plan.chunk_numel, scales.numpy())
-    cpu.pack_update(se, False, se, plan.chunk_start, plan.offsets, scales.numpy(), pk, _words(pk))
+    cpu.pack_update(se, False, se, plan.chunk_start, plan.offsets, scales.numpy(), pk)
     return packed, scales
 
 
