@@ -644,7 +644,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 g32.copy_(wire)
             if f != 1.0:
                 g32.mul_(f)
-            ok = ok and bool(torch.isfinite(g32).all())
+            ok = ok and native.all_finite(g32)
             if p.grad is None:  # dropped after the hooks started its allreduce
                 p.grad = torch.zeros_like(p)
             if g32 is not p.grad:
@@ -729,7 +729,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._grads_into(b, buf)
         if pre is not None:
             y = buf[:b.numel].div_(pre[0])
-            if bool(torch.isfinite(y).all()):  # a NaN/Inf must reach the scales: agreed skip
+            if native.all_finite(y):  # a NaN/Inf must reach the scales: agreed skip
                 y.clamp_(-pre[1], pre[1])
 
     def _compress_grads(self, step: int) -> bool:
@@ -910,13 +910,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         g = self._scratch["g"]
         self._grads_into(b, g)
         x = self._load_x(b)
-        if bool(torch.isfinite(g[:b.numel]).all()):
+        if native.all_finite(g[:b.numel]):
             if self.precondition_compression:
                 # v is frozen: bound |g|/s as Adam would once v had seen g (see _compress_grads)
-                bound = torch.mul(denom, kinds.normalized_gradient_bound(h, self._counters["exp_avg_sq_steps"]),
-                                  out=self._scratch["w"][:b.numel])
-                torch.minimum(g[:b.numel], bound, out=g[:b.numel])
-                torch.maximum(g[:b.numel], bound.neg_(), out=g[:b.numel])
+                native.clamp_by(g[:b.numel], denom, kinds.normalized_gradient_bound(h, self._counters["exp_avg_sq_steps"]))
             kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, self._mask_of(b))
         return x
 
@@ -935,18 +932,24 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._advance_window(step)
 
     def _sync_step(self, step, k):
-        denoms = {}
+        def denom_of(b):
+            # recomputed into the shared scratch where it is used (bitwise the same each time):
+            # keeping every bucket's denominator alive through the exchange cost a fresh
+            # bucket-sized allocation per bucket and step, slower than the recomputation
+            h = self._hyper(self.param_groups[b.group_index], step, k)
+            return kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel))
+
         for b in self._buckets:
             h = self._hyper(self.param_groups[b.group_index], step, k)
-            denoms[id(b)] = kinds.adam_denom(b.exp_avg_sq, h)
-            x = self._local_update(b, h, denoms[id(b)])
+            x = self._local_update(b, h, denom_of(b))
             self._scatter(x, b.params)
         self._advance_window(step)
 
         def fill(b, buf):
             group = self.param_groups[b.group_index]
             buf[b.numel:].zero_()
-            kinds.sync_prepare(self._load_x(b), b.anchor, denoms[id(b)], group["decay_product"], buf[:b.numel],
+            kinds.sync_prepare(self._load_x(b), b.anchor, None if self.precondition_compression else denom_of(b),
+                               group["decay_product"], buf[:b.numel],
                                self.precondition_compression)
 
         def consume(b, w):
@@ -955,7 +958,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 b.anchor.mul_(group["decay_product"])
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
             mask = self._mask_of(b)
-            kinds.sync_finish(x, b.anchor, b.exp_avg, denoms[id(b)], w, group["lr_sum"],
+            kinds.sync_finish(x, b.anchor, b.exp_avg, denom_of(b), w, group["lr_sum"],
                               self._hyper(group, step, k), mask, self.precondition_compression)
             if mask is not None:
                 b.exchange.mask_errors(mask)
@@ -967,7 +970,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
             mask = self._mask_of(b)
             native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x,
-                                   exp_avg=b.exp_avg, denom=denoms[id(b)],
+                                   exp_avg=b.exp_avg, denom=denom_of(b),
                                    factor=self._hyper(group, step, k).bias_correction1 / group["lr_sum"],
                                    decay_product=group["decay_product"], mask=mask,
                                    preconditioned=self.precondition_compression)

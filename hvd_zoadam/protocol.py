@@ -88,7 +88,7 @@ class Exchange:
         """Worker scales and round 1. Returns float32[P, nseg] of every rank's scales, or
         None when some rank's input is non-finite (every rank returns None together)."""
         if self.transport.world_size == 1:
-            return self._scales if bool(torch.isfinite(y[:self.numel]).all()) else None
+            return self._scales if native.all_finite(y[:self.numel]) else None
         return self.wait_scales(self.start_scales(y))
 
     def finish(self, y: torch.Tensor, all_worker_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

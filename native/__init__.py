@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["configure_threads", "Plan", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["configure_threads", "Plan", "all_finite", "clamp_by", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -186,6 +186,26 @@ def decompress_momentum(packed, all_server_scales, plan: Plan, exp_avg, beta1: f
         cpu.decompress_momentum(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
                                 exp_avg.numpy(), 1.0 - beta1)
     return exp_avg
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite (no NaN, no ±Inf). float32 CPU tensors take one
+    read-only Numba pass; anything else goes to ``torch.isfinite``."""
+    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+        return cpu.count_non_finite(t.reshape(-1).numpy()) == 0 if t.numel() else True
+    return bool(torch.isfinite(t).all())
+
+
+def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
+    """In place, ``g <- clamp(g, -b, b)`` with ``b = denom * c`` (float32): bitwise
+    ``torch.minimum(g, b)`` then ``torch.maximum(g, -b)`` for finite g, in one pass on the CPU.
+    ``g``, ``denom``: float32[n]. Returns ``g``."""
+    if g.device.type == "cpu" and g.is_contiguous() and denom.is_contiguous():
+        cpu.clamp_by(g.numpy(), denom.numpy(), float(c))
+        return g
+    bound = torch.mul(denom, c)
+    torch.minimum(g, bound, out=g)
+    return torch.maximum(g, bound.neg_(), out=g)
 
 
 _NO_MASK = np.zeros(0, dtype=np.bool_)

@@ -249,3 +249,32 @@ def test_the_cuda_kernels_arithmetic_decode_is_exact_for_every_bit_pattern(dtype
     got = torch.tensor([decode(b) for b in range(1 << 16)], dtype=torch.float32)
     same = (got == want) & (torch.signbit(got) == torch.signbit(want))
     assert bool((same | (torch.isnan(got) & torch.isnan(want))).all())
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 65_536, 200_003])
+def test_all_finite_finds_each_nan_and_inf(n):
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e30
+    assert native.all_finite(t)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in {0, n // 2, n - 1} if n else ():
+            u = t.clone()
+            u[where] = bad
+            assert not native.all_finite(u), (bad, where)
+    assert native.all_finite(torch.tensor([3.4e38, -3.4e38, 1e-45, -0.0]))
+    assert not native.all_finite(torch.tensor([1.0], dtype=torch.float16) * float("inf"))  # torch path
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 200_000), scale=st.sampled_from([1e-8, 1e-3, 1.0, 1e3]), seed=st.integers(0, 1000),
+       c=st.floats(0.01, 50.0))
+def test_clamp_by_is_bitwise_the_torch_ops(n, scale, seed, c):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen) * scale
+    g[::11] = -0.0
+    d = torch.rand(n, generator=gen) * 1e-3 + 1e-8
+    want = g.clone()
+    bound = torch.mul(d, c)
+    torch.minimum(want, bound, out=want)
+    torch.maximum(want, bound.neg_(), out=want)
+    got = native.clamp_by(g.clone(), d, c)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
