@@ -676,6 +676,14 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         is shared by all buckets (it is recomputed bitwise alike).
         """
         g, w = self._scratch["g"], self._scratch["w"]
+        if self.world_size == 1 and len(buckets) == 1:  # C(y) = y: fill once, hand y itself over
+            b = buckets[0]
+            buf = g[:b.exchange.padded_numel]
+            fill(b, buf)
+            if b.exchange.prepare(buf) is None:
+                return False
+            consume(b, buf[:b.numel])
+            return True
         if self.world_size == 1:
             prepared = []
             for b in buckets:
@@ -932,23 +940,36 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._advance_window(step)
 
     def _sync_step(self, step, k):
+        in_scratch = {"d": None, "x": None}  # whose denominator / x the shared scratch holds now
+
         def denom_of(b):
-            # recomputed into the shared scratch where it is used (bitwise the same each time):
-            # keeping every bucket's denominator alive through the exchange cost a fresh
+            # recomputed into the shared scratch where it is used (bitwise the same each time, v is
+            # frozen): keeping every bucket's denominator alive through the exchange cost a fresh
             # bucket-sized allocation per bucket and step, slower than the recomputation
-            h = self._hyper(self.param_groups[b.group_index], step, k)
-            return kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel))
+            if in_scratch["d"] is not b:
+                h = self._hyper(self.param_groups[b.group_index], step, k)
+                kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel))
+                in_scratch["d"] = b
+            return self._scratch_d(b.numel)
+
+        def x_of(b):
+            # x as the local update left it (and scattered it): no second gather when it is still there
+            if in_scratch["x"] is not b:
+                self._load_x(b)
+                in_scratch["x"] = b
+            return b.master if b.master is not None else self._scratch["x"][:b.numel]
 
         for b in self._buckets:
             h = self._hyper(self.param_groups[b.group_index], step, k)
             x = self._local_update(b, h, denom_of(b))
             self._scatter(x, b.params)
+            in_scratch["x"] = b
         self._advance_window(step)
 
         def fill(b, buf):
             group = self.param_groups[b.group_index]
             buf[b.numel:].zero_()
-            kinds.sync_prepare(self._load_x(b), b.anchor, None if self.precondition_compression else denom_of(b),
+            kinds.sync_prepare(x_of(b), b.anchor, None if self.precondition_compression else denom_of(b),
                                group["decay_product"], buf[:b.numel],
                                self.precondition_compression)
 
@@ -957,6 +978,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if group["decay_product"] != 1.0:
                 b.anchor.mul_(group["decay_product"])
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
+            in_scratch["x"] = None  # overwritten with the new x below
             mask = self._mask_of(b)
             kinds.sync_finish(x, b.anchor, b.exp_avg, denom_of(b), w, group["lr_sum"],
                               self._hyper(group, step, k), mask, self.precondition_compression)
@@ -968,6 +990,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             # the same as consume(), fused: w is unpacked straight into x, m and the anchor
             group = self.param_groups[b.group_index]
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
+            in_scratch["x"] = None  # overwritten with the new x below
             mask = self._mask_of(b)
             native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x,
                                    exp_avg=b.exp_avg, denom=denom_of(b),
