@@ -630,6 +630,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if f != 1.0:
                 g32.div_(f)
             wire = g32.to(torch.float16) if width == 2 else g32
+            if p_ == 1 and width == 4:  # the average of one float32 tensor is itself: no collective
+                out.append((None, wire, g32))
+                continue
             out.append((self.transport.start("allreduce", wire.view(-1), f"{b.exchange.name}.avg.{j}", count=False),
                         wire, g32))
         return out
@@ -639,7 +642,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         Returns False when one is non-finite."""
         f, ok = self.gradient_predivide_factor, True
         for p, (handle, wire, g32) in zip(b.params, started):
-            self.transport.wait(handle)
+            if handle is not None:
+                self.transport.wait(handle)
             if wire is not g32:
                 g32.copy_(wire)
             if f != 1.0:
@@ -959,10 +963,15 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 in_scratch["x"] = b
             return b.master if b.master is not None else self._scratch["x"][:b.numel]
 
+        # With one bucket its x stays in the scratch until the sync rebuilds it, so the local
+        # update's x is written to the parameters only if the bucket is not rebuilt after all.
+        defer = len(self._buckets) == 1
+        rebuilt = set()
         for b in self._buckets:
             h = self._hyper(self.param_groups[b.group_index], step, k)
             x = self._local_update(b, h, denom_of(b))
-            self._scatter(x, b.params)
+            if not defer:
+                self._scatter(x, b.params)
             in_scratch["x"] = b
         self._advance_window(step)
 
@@ -980,11 +989,16 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
             in_scratch["x"] = None  # overwritten with the new x below
             mask = self._mask_of(b)
-            kinds.sync_finish(x, b.anchor, b.exp_avg, denom_of(b), w, group["lr_sum"],
-                              self._hyper(group, step, k), mask, self.precondition_compression)
+            h = self._hyper(group, step, k)
+            if mask is None and self.precondition_compression:  # the common case in one pass
+                native.sync_rebuild(w, b.anchor, x, b.exp_avg, denom_of(b), h.bias_correction1 / group["lr_sum"])
+            else:
+                kinds.sync_finish(x, b.anchor, b.exp_avg, denom_of(b), w, group["lr_sum"], h, mask,
+                                  self.precondition_compression)
             if mask is not None:
                 b.exchange.mask_errors(mask)
             self._scatter(x, b.params)
+            rebuilt.add(id(b))
 
         def consume_packed(b, packed, server_scales):
             # the same as consume(), fused: w is unpacked straight into x, m and the anchor
@@ -1000,12 +1014,16 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if mask is not None:
                 b.exchange.mask_errors(mask)
             self._scatter(x, b.params)
+            rebuilt.add(id(b))
 
         # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
         live = [b for b in self._buckets if self.param_groups[b.group_index]["lr_sum"] > 0]
         if self._exchange_all(live, fill, consume, consume_packed):
             for group in self.param_groups:
                 group["lr_sum"], group["decay_product"] = 0.0, 1.0
+        if defer and id(self._buckets[0]) not in rebuilt:  # skipped, or a window that did not move
+            b = self._buckets[0]
+            self._scatter(x_of(b), b.params)
 
     def _record(self, kind: StepKind, skip: bool) -> None:
         c = self.transport.counter

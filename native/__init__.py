@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["configure_threads", "Plan", "all_finite", "clamp_by", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["configure_threads", "Plan", "all_finite", "clamp_by", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -206,6 +206,20 @@ def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
     bound = torch.mul(denom, c)
     torch.minimum(g, bound, out=g)
     return torch.maximum(g, bound.neg_(), out=g)
+
+
+def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float) -> None:
+    """SYNC steps 5-7 (spec §2) from an unpacked ``w`` in parameter units (preconditioned, no
+    mask): ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
+    :func:`hvd_zoadam.kinds.sync_finish` with ``preconditioned=True, mask=None``; one pass on
+    the CPU instead of four. All float32[n]."""
+    tensors = (w, anchor, param, exp_avg, denom)
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        cpu.sync_rebuild(*(t.numpy() for t in tensors), np.float32(factor))
+        return
+    torch.sub(anchor, w, out=param)
+    torch.mul(w, denom, out=exp_avg).mul_(factor)
+    anchor.copy_(param)
 
 
 _NO_MASK = np.zeros(0, dtype=np.bool_)

@@ -391,3 +391,18 @@ def clamp_by(g, denom, c):
             x = g[i]
             x = b if x > b else x
             g[i] = -b if x < -b else x
+
+
+@njit(parallel=True, cache=True)
+def sync_rebuild(w, anchor, param, exp_avg, denom, f):
+    """SYNC steps 5-7 from an unpacked w (preconditioned, no mask): param = anchor - w,
+    exp_avg = (w * denom) * f, anchor = param; one pass, bitwise ``kinds.sync_finish``."""
+    for t in prange((w.shape[0] + TASK_NUMEL - 1) // TASK_NUMEL):
+        lo = np.uint64(t * TASK_NUMEL)
+        for k in range(np.uint64(min(w.shape[0], t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
+            i = lo + k
+            wi = w[i]
+            x = anchor[i] - wi
+            exp_avg[i] = (wi * denom[i]) * f
+            param[i] = x
+            anchor[i] = x
