@@ -11,7 +11,8 @@ Runs (``--run``):
                 steps with PeriodicModelAverager(period=--local-period)
   compute       the same training with no communication at all (the ceiling)
 
-Rank 0 writes ``--out``: steps/s over the steps after the first ``--skip`` (numba compiles
+Rank 0 writes ``--out`` (for ``compute`` every rank also writes ``--out``.rank<r>, so that
+the bench can take the slowest rank as the ceiling): steps/s over the steps after the first ``--skip`` (numba compiles
 and DDP's bucket rebuild happen there), steps/s after ``--warmup`` (the steady state: 0/1
 Adam frozen, PowerSGD and local SGD started), wall seconds, mean train loss of the last 10 steps
 (averaged over ranks, except for ``compute``), and the run's own byte/round counts where it
@@ -124,6 +125,7 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
     losses, stamps = [], {}
+    kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
     start = None
     for step in range(1, args.steps + 1):
         stamps[step] = time.perf_counter()
@@ -133,7 +135,13 @@ def main(argv=None):
         opt.zero_grad()
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
         loss.backward()
+        before = opt.comm_stats() if args.run == "zoadam" else None
         opt.step()
+        if before is not None and step > args.skip:
+            after = opt.comm_stats()
+            kind = next(k for k in ("variance", "compressed", "local", "sync")
+                        if after[k]["steps"] > before[k]["steps"])
+            kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - stamps[step]
         if averager is not None:
             averager.average_parameters(model.parameters())
         sched.step()
@@ -156,12 +164,17 @@ def main(argv=None):
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
-                                                                                        "local", "sync")})
+                                                                                        "local", "sync")},
+                   timed_seconds_by_kind=kind_s)
     elif args.run.startswith("adam"):
         width = 2 if args.run == "adam-fp16" else 4
         out.update(bytes_sent_counted=args.steps * 2 * (world - 1) / world * width * n_params, rounds=args.steps)
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
+    if args.run == "compute":
+        # Nothing paces the ranks against each other here: each reports its own speed, and the
+        # bench takes the slowest, which is what would pace a data-parallel job.
+        Path(f"{args.out}.rank{rank}").write_text(json.dumps(out))
     if hvd is not None:
         hvd.barrier()
     elif dist is not None:

@@ -6,7 +6,9 @@
   first host with a launch agent in place of ssh and ``--mca btl tcp,self``. In one
   invocation it runs, with the same model, data, seeds and steps: (a) Horovod AdamW fp32,
   (b) the same with fp16 compression, (c) hvd_zoadam, (d) DDP + PowerSGD over gloo,
-  (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only. Per run: steps/s
+  (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only (its slowest rank:
+  no collective paces its ranks, and the slowest one paces a data-parallel job). Ranks run
+  unbound (``--bind-to none``), one torch/Numba thread each. Per run: steps/s
   (after the first ``--skip`` steps), bytes each rank put on its link (the veth's TX
   counter, so every system is measured alike, TCP/IP headers included), the run's own
   counted bytes and rounds where it has them, and the final train loss. A run that fails
@@ -78,6 +80,13 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
               "wire_bytes_sent_per_rank": sum(sent) / len(sent)}
     if rc == 0 and out.exists():
         result.update(json.loads(out.read_text()), ok=True)
+        if run == "compute":  # the ceiling of a data-parallel job is its slowest rank's speed
+            ranks = [json.loads(f.read_text()) for f in sorted(workdir.glob(f"{run}.json.rank*"))]
+            if ranks:
+                result["steps_per_s_by_rank"] = [r["steps_per_s"] for r in ranks]
+                for key in ("steps_per_s", "steady_steps_per_s"):
+                    if all(r.get(key) for r in ranks):
+                        result[key] = min(r[key] for r in ranks)
     else:
         result.update(ok=False, error=f"exit {rc}: {tail}")
     return result

@@ -27,7 +27,9 @@ The launch agent (``<dir>/ssh``, also ``<dir>/nsssh``) takes ssh's command line
 * ``ZO_MPIRUN_ARGS``: the Open MPI flags the links need: ``--mca plm_rsh_agent``,
   ``--mca btl tcp,self`` (shared memory would bypass the links), the TCP interface
   subnet for BTL and OOB, ``--oversubscribe`` and ``--mca mpi_yield_when_idle 1``
-  (busy-polling ranks starve the links on 2 cores), ``--allow-run-as-root``.
+  (busy-polling ranks starve the links on 2 cores), ``--allow-run-as-root``, and
+  ``--bind-to none`` (every simulated host is this machine; Open MPI's per-host default
+  binding would pin every rank to core 0).
 
 Requires root (``ip netns``). Exit status: CMD's.
 """
@@ -158,7 +160,10 @@ class Network:
         """Open MPI flags for ranks on these hosts (see the module docstring)."""
         return ["--allow-run-as-root", "--oversubscribe", "--mca", "plm_rsh_agent", str(self.dir / "ssh"),
                 "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", self.subnet,
-                "--mca", "oob_tcp_if_include", self.subnet, "--mca", "mpi_yield_when_idle", "1"]
+                "--mca", "oob_tcp_if_include", self.subnet, "--mca", "mpi_yield_when_idle", "1",
+                # Every simulated host is this machine: Open MPI's default binding (per host, to
+                # its first core) put every rank on core 0, half a core each.
+                "--bind-to", "none"]
 
     def env(self, base=None) -> dict:
         env = dict(os.environ if base is None else base)

@@ -37,6 +37,9 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert runs["compute"]["wire_bytes_sent_per_rank"] < 0.05 * runs["adam"]["wire_bytes_sent_per_rank"]
     assert 0.4 < runs["adam-fp16"]["wire_bytes_sent_per_rank"] / runs["adam"]["wire_bytes_sent_per_rank"] < 0.7
     assert runs["zoadam"]["transport"].startswith("mpi")
+    # the ceiling is the slowest rank's speed: nothing paces the compute-only ranks otherwise
+    assert len(runs["compute"]["steps_per_s_by_rank"]) == 2
+    assert runs["compute"]["steps_per_s"] == min(runs["compute"]["steps_per_s_by_rank"])
     assert "latency NOT shaped" in rep["note"] and png.stat().st_size > 0
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "zo" not in " ".join(line.split()[0] for line in out.splitlines() if line.startswith("zo"))
