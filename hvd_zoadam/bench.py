@@ -334,8 +334,9 @@ def cmd_kernels(args) -> dict:
         if name in targets:
             res["kernels"][name].update(target_vs_copy=targets[name], met=ratio >= targets[name])
     res["copy_GBps"] = max(copies)
-    res["note"] = ("worker_compress is both passes (scales, then signs and error) with the scales left on the "
-                   "device; targets hold at 2^24 float32 elements" + ("" if device == "cuda" else ", one thread"))
+    res["note"] = ("worker_compress is the whole worker side (scales, signs, error; on the CPU in one pass over "
+                   "memory when every scale block has at most 4096 elements, as here) with the scales left on "
+                   "the device; targets hold at 2^24 float32 elements" + ("" if device == "cuda" else ", one thread"))
     return res
 
 

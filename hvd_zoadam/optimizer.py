@@ -128,7 +128,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     ``4·(3n + padded_numel + padded_numel/P)`` for exp_avg, exp_avg_sq, anchor,
     worker_error, server_error, i.e. about ``(4 + 1/P)·n`` floats with less than
     ``8P`` padding elements per bucket, plus a reusable scratch of four float32
-    buffers the size of the largest bucket (see :meth:`memory_bytes`).
+    buffers the size of the largest bucket and, at P > 1, each bucket's exchange input
+    (``4·padded_numel``, which the worker side turns into the new ``worker_error`` in the
+    same pass; see :meth:`memory_bytes`).
     """
 
     def __init__(self, optimizer, named_parameters, *, schedule: Schedule, transport: Transport,
@@ -676,8 +678,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         ``consume_packed`` is given, ``consume_packed(bucket, packed, server_scales)`` receives
         it still packed (a fused kernel then unpacks it). All buckets' scales are exchanged
         first, so a non-finite input anywhere skips every bucket before any error buffer
-        changes (spec §5). The input is filled again for the second phase because the scratch
-        is shared by all buckets (it is recomputed bitwise alike).
+        changes (spec §5). At P > 1 each bucket is filled once, into its exchange's own input
+        buffer, which the worker side turns into the new error; at P = 1 with several buckets
+        the shared scratch is filled again for the second phase (bitwise alike).
         """
         g, w = self._scratch["g"], self._scratch["w"]
         if self.world_size == 1 and len(buckets) == 1:  # C(y) = y: fill once, hand y itself over
@@ -707,17 +710,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         # computed. Round 1 of every bucket completes before any error buffer changes.
         handles = {}
         for b in buckets:
-            buf = g[:b.exchange.padded_numel]
-            fill(b, buf)
-            handles[id(b)] = b.exchange.start_scales(buf)
+            fill(b, b.exchange.input)
+            handles[id(b)] = b.exchange.start_scales(b.exchange.input)
         prepared = [b.exchange.wait_scales(handles[id(b)]) for b in buckets]
         if any(scales is None for scales in prepared):
             return False
-        handles = []
-        for b, scales in zip(buckets, prepared):
-            buf = g[:b.exchange.padded_numel]
-            fill(b, buf)
-            handles.append(b.exchange.start_signs(buf, scales))
+        handles = [b.exchange.start_signs(scales) for b, scales in zip(buckets, prepared)]
         handles = [b.exchange.start_server(h, scales) for b, h, scales in zip(buckets, handles, prepared)]
         for b, h in zip(buckets, handles):
             if consume_packed is not None:

@@ -3,11 +3,14 @@
 Per bucket (one or more tensors laid out as segments of one flat buffer):
 
 1. worker side: ``z = y + worker_error``; one scale per segment,
-   ``||z_seg|| / sqrt(len_seg)`` in float64;
+   ``||z_seg|| / sqrt(len_seg)`` in float64; the signs packed MSB first; the new error
+   ``z - scale*sign`` written over ``y`` when ``y`` is the exchange's own input buffer
+   (else into a second buffer), not yet over ``worker_error`` (one pass over memory with
+   per-block scales: :func:`hvd_zoadam.native.worker_compress`);
 2. round 1, allgather of the scales (float32[nseg] per rank). A non-finite scale
    on any rank means a non-finite input somewhere: every rank sees it and skips
    the exchange together, leaving both error buffers untouched (spec §5);
-3. worker side: pack the signs MSB first and set ``worker_error <- z - scale*sign``;
+3. otherwise the new error becomes ``worker_error`` (the two buffers swap roles);
 4. round 2, alltoall of the packed bytes: chunk q (N/(8P) bytes) goes to rank q;
 5. server side on rank r for chunk r: ``c = (1/P)·Σ_i scale_i·sign_i + server_error``,
    one scale per segment piece of the chunk, pack, ``server_error <- c - scale*sign``;
@@ -43,8 +46,14 @@ class Exchange:
         worker_error: float32[padded_numel], e_w.
         server_error: float32[padded_numel // P], e_s.
 
-    The input ``y`` of :meth:`prepare`/:meth:`finish` is float32[padded_numel] with
-    the padding at 0; it is owned by the caller (a scratch shared by all buckets).
+    The input ``y`` of :meth:`prepare` is float32[padded_numel] with the padding at 0.
+    When it is :attr:`input` (P > 1), the worker side writes the new error over it and, once
+    every rank's scales are known to be finite, :attr:`input` and :attr:`worker_error` swap
+    roles; any other ``y`` is left alone and the new error goes to a second buffer.
+
+    Attributes (P > 1):
+        input: float32[padded_numel], the buffer a caller fills with ``y``; it is a different
+            tensor after each exchange that is not skipped.
     """
 
     def __init__(self, numels, transport: Transport, name: str, worker_error=None, server_error=None):
@@ -59,6 +68,10 @@ class Exchange:
         self.plan = native.Plan(self.offsets, self.padded_numel, p, r)
         self.worker_error = torch.zeros(self.padded_numel) if worker_error is None else worker_error
         self.server_error = torch.zeros(self.chunk_numel) if server_error is None else server_error
+        # P > 1: the input buffer doubles as the new worker error (see the class docstring)
+        self.input = torch.zeros(self.padded_numel) if p > 1 else None
+        self._next = None       # the new worker error when y is not self.input (made on first use)
+        self._staged = None     # where the current exchange put the new worker error
         self._scales = torch.zeros(self.nseg, dtype=torch.float32)
         self._packed = torch.zeros(self.padded_numel // 8, dtype=torch.uint8)
         nbytes = self.chunk_numel // 8
@@ -68,9 +81,13 @@ class Exchange:
         self._server_packed = self._server_msg[4 * self.nseg:]
 
     def memory_bytes(self) -> dict:
-        """Bytes held: the two error buffers, and the reusable packed-byte scratch."""
+        """Bytes held: the two error buffers, and the reusable scratch (the input buffer at
+        P > 1, packed bytes)."""
         errors = (self.worker_error.numel() + self.server_error.numel()) * 4
-        return {"error_buffers": errors, "scratch": self._packed.numel() + self._server_msg.numel()}
+        scratch = self._packed.numel() + self._server_msg.numel()
+        for buf in (self.input, self._next):
+            scratch += 0 if buf is None else buf.numel() * 4
+        return {"error_buffers": errors, "scratch": scratch}
 
     def mask_errors(self, mask: torch.Tensor) -> None:
         """Zero both error buffers where ``mask`` (bool[numel], bucket order) is False."""
@@ -92,18 +109,28 @@ class Exchange:
         return self.wait_scales(self.start_scales(y))
 
     def finish(self, y: torch.Tensor, all_worker_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rounds 2 and 3 for the ``y`` given to :meth:`prepare`: C(y) into ``out`` (float32[numel])."""
+        """Rounds 2 and 3 after :meth:`prepare`: C(y) into ``out`` (float32[numel]). ``y`` is
+        read only at P = 1 (C(y) = y); at P > 1 :meth:`prepare` consumed it."""
         if self.transport.world_size == 1:
             return out.copy_(y[:self.numel])
-        return self.finish_gather(self.start_server(self.start_signs(y, all_worker_scales), all_worker_scales), out)
+        return self.finish_gather(self.start_server(self.start_signs(all_worker_scales), all_worker_scales), out)
 
     # The same exchange in nonblocking phases (P > 1), so that the optimizer can run one
     # bucket's collectives while it computes the next bucket's: start_scales -> wait_scales
-    # -> start_signs -> start_server -> finish_gather. ``y`` is read only inside the calls
-    # that take it; the messages in flight live in this object's own buffers.
+    # -> start_signs -> start_server -> finish_gather. ``y`` is read only by start_scales;
+    # the messages in flight live in this object's own buffers.
     def start_scales(self, y: torch.Tensor):
-        """Worker scales of ``y + worker_error`` (float64 sums), then start round 1 (allgather)."""
-        native.worker_scales(y, self.worker_error, self.plan, self._scales)
+        """The whole worker side of ``y + worker_error`` (scales with float64 sums, signs, the new
+        error staged over ``y`` if it is :attr:`input`, else in a second buffer), then start
+        round 1 (allgather of the scales)."""
+        if y is self.input:
+            staged = y
+        else:
+            if self._next is None:
+                self._next = torch.zeros(self.padded_numel)
+            staged = self._next
+        native.worker_compress(y, self.worker_error, self.plan, self._scales, self._packed, error_out=staged)
+        self._staged = staged
         return self.transport.start("allgather", self._scales, f"{self.name}.scales")
 
     def wait_scales(self, handle):
@@ -111,9 +138,15 @@ class Exchange:
         all_scales = self.transport.wait(handle).view(self.transport.world_size, self.nseg)
         return all_scales if bool(torch.isfinite(all_scales).all()) else None
 
-    def start_signs(self, y: torch.Tensor, all_worker_scales: torch.Tensor):
-        """Pack the signs of ``y + worker_error``, update the error, start round 2 (alltoall)."""
-        native.worker_pack(y, self.worker_error, self.plan, self._scales, self._packed)
+    def start_signs(self, all_worker_scales: torch.Tensor):
+        """Every rank's scales are finite: the staged error becomes ``worker_error``; start
+        round 2 (alltoall of the packed signs)."""
+        staged, old = self._staged, self.worker_error
+        self.worker_error, self._staged = staged, None
+        if staged is self.input:
+            self.input = old
+        else:
+            self._next = old
         return self.transport.start("alltoall", self._packed, f"{self.name}.signs")
 
     def start_server(self, signs_handle, all_worker_scales: torch.Tensor):
@@ -183,13 +216,15 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         count = compressed_allreduce.calls[t.rank] = compressed_allreduce.calls.get(t.rank, 0) + 1
         name = f"zoadam.car.{count}"
     ex = Exchange([n], t, name, worker_error.view(-1), server_error.view(-1))
-    y = torch.zeros(ex.padded_numel, dtype=torch.float32)
+    y = ex.input if ex.input is not None else torch.zeros(ex.padded_numel, dtype=torch.float32)
     y[:n].copy_(tensor.reshape(-1))
     scales = ex.prepare(y)
     if scales is None:
         raise NonFiniteError(f"compressed_allreduce({name}): a non-finite value reached the exchange on "
                              "some rank; no error buffer was changed")
     out = ex.finish(y, scales, torch.empty(n, dtype=torch.float32))
+    if ex.worker_error.data_ptr() != worker_error.data_ptr():
+        worker_error.view(-1).copy_(ex.worker_error)  # the caller's buffer is updated in place
     return out.view(tensor.shape).to(tensor.dtype)
 
 

@@ -70,6 +70,11 @@ class Plan:
         self.server_tasks = cpu.make_tasks(self.offsets, self.chunk_start,
                                            self.chunk_start + self.chunk_numel)
         self.unpack_tasks = cpu.make_tasks(self.offsets, 0, self.numel, chunk_numel=self.chunk_numel)
+        # Runs of whole segments for the one-pass worker kernel (None: a segment is too long)
+        self.groups = cpu.make_groups(self.offsets)
+        ng = 0 if self.groups is None else len(self.groups)
+        self._part_idx = np.zeros((ng, 2), dtype=np.int64)
+        self._part_val = np.zeros((ng, 2), dtype=np.uint8)
         self._worker_partial = np.zeros(len(self.worker_tasks), dtype=np.float64)
         self._server_partial = np.zeros(len(self.server_tasks), dtype=np.float64)
         self._device = {}
@@ -122,21 +127,37 @@ def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: 
     return out
 
 
-def worker_pack(y, worker_error, plan: Plan, scales, packed) -> torch.Tensor:
+def worker_pack(y, worker_error, plan: Plan, scales, packed, error_out=None) -> torch.Tensor:
     """Pass 2 of the worker side: ``packed`` (uint8[N/8]) <- MSB-first bits of z = y + worker_error,
-    ``worker_error <- z - scale*sign`` on the real elements. Returns ``packed``."""
-    if _on_cuda(y, worker_error, scales, packed):
+    and the new error z - scale*sign on the real elements into ``error_out`` (float32[N],
+    default ``worker_error`` itself; its padding is not written). Returns ``packed``."""
+    eo = worker_error if error_out is None else error_out
+    if _on_cuda(y, worker_error, eo, scales, packed):
         from . import cuda as _cuda
-        return _cuda.pack_update(y, worker_error, 0, plan, scales, packed)
-    pk = packed.numpy()
-    cpu.pack_update(_host_input(y), True, worker_error.numpy(), 0, plan.offsets, scales.numpy(), pk)
+        return _cuda.pack_update(y, worker_error, 0, plan, scales, packed, e_out=eo)
+    cpu.pack_update(_host_input(y), True, worker_error.numpy(), eo.numpy(), 0, plan.offsets, scales.numpy(),
+                    packed.numpy())
     return packed
 
 
-def worker_compress(y, worker_error, plan: Plan, scales, packed) -> torch.Tensor:
-    """Both worker passes (no exchange of the scales in between). Returns ``packed``."""
+def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None) -> torch.Tensor:
+    """The whole worker side of spec §3: ``scales`` (float32[nseg]) as :func:`worker_scales`,
+    ``packed`` and the new error into ``error_out`` as :func:`worker_pack`. Returns ``packed``.
+
+    On the CPU, when no segment is longer than ``cpu.BLOCK`` (4096) elements (hvd_zoadam's
+    per-block scales, 2048 by default), both steps run in one pass over memory
+    (:func:`cpu.compress_fused`): each segment is summed and then signed while it is in L1,
+    with the same scales, bits and errors as the two passes. Otherwise, and on CUDA, two
+    passes. With ``error_out`` distinct from ``worker_error`` the input error stays as it
+    was, so that a step all ranks agree to skip can leave it untouched (spec §5).
+    """
+    eo = worker_error if error_out is None else error_out
+    if plan.groups is not None and not _on_cuda(y, worker_error, eo, scales, packed):
+        cpu.compress_fused(_host_input(y), worker_error.numpy(), eo.numpy(), plan.offsets, plan.groups,
+                           scales.numpy(), packed.numpy(), plan._part_idx, plan._part_val)
+        return packed
     worker_scales(y, worker_error, plan, scales)
-    return worker_pack(y, worker_error, plan, scales, packed)
+    return worker_pack(y, worker_error, plan, scales, packed, error_out=eo)
 
 
 def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, scales):
@@ -155,7 +176,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, sca
                        plan._server_partial)
     cpu.reduce_scales(plan.server_tasks, plan._server_partial, plan.offsets, plan.chunk_start,
                       plan.chunk_start + plan.chunk_numel, scales.numpy())
-    cpu.pack_update(se, False, se, plan.chunk_start, plan.offsets, scales.numpy(), pk)
+    cpu.pack_update(se, False, se, se, plan.chunk_start, plan.offsets, scales.numpy(), pk)
     return packed, scales
 
 

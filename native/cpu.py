@@ -15,6 +15,12 @@ How they reach memory speed on one core:
   assembled 8 at a time (MSB first, spec §3). The inputs cross memory once per pass.
   (An earlier version packed 64 signs into a uint64 in a segment-agnostic loop and
   recomputed z for the error update: 1.45x slower.)
+* The worker side runs in one pass over memory when no segment is longer than
+  ``BLOCK`` (hvd_zoadam's per-block scales): :func:`compress_fused` takes runs of whole
+  segments, sums each one and then signs it and writes its error while it is still in L1
+  (12 bytes moved per element instead of the two passes' 20). Longer segments take the two
+  passes, :func:`sumsq_tasks` then :func:`pack_update`; both paths share :func:`_sumsq`, so
+  they give the same scales, bits and errors bit for bit.
 * Sums of squares are float64, per *task* (a piece of a segment of at most
   ``TASK_NUMEL`` elements), reduced per segment in task order: scales do not depend
   on the thread count. Inside a task, LLVM may reassociate the sum to vectorise it
@@ -125,17 +131,22 @@ def _load_impl(y, i):
 
 # -- worker side --------------------------------------------------------------------------
 
-@njit(parallel=True, fastmath=_FM, cache=True)
+@njit(fastmath=_FM, cache=True)
+def _sumsq(y, e, a, cnt):
+    """float64 sum of (y + e)**2 over elements [a, a + cnt) (``a``, ``cnt``: uint64); LLVM may
+    reassociate it to vectorise. Both worker paths use this one loop, so their scales agree."""
+    acc = 0.0
+    for i in range(cnt):
+        z = np.float64(load(y, a + i) + e[a + i])
+        acc += z * z
+    return acc
+
+
+@njit(parallel=True, cache=True)
 def sumsq_tasks(y, e, tasks, partial):
     """partial[t] = sum over task t of float64((y + e)**2)."""
     for t in prange(tasks.shape[0]):
-        acc = 0.0
-        a = np.uint64(tasks[t, 1])
-        for i in range(np.uint64(tasks[t, 2] - tasks[t, 1])):
-            j = a + i
-            z = np.float64(load(y, j) + e[j])
-            acc += z * z
-        partial[t] = acc
+        partial[t] = _sumsq(y, e, np.uint64(tasks[t, 1]), np.uint64(tasks[t, 2] - tasks[t, 1]))
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -167,14 +178,14 @@ def reduce_scales(tasks, partial, offsets, lo, hi, scales):
 
 
 @njit(parallel=True, cache=True)
-def pack_update(y, has_y, e, base, offsets, scales, packed):
+def pack_update(y, has_y, e, e_out, base, offsets, scales, packed):
     """Sign-pack z and update the error, one block of ``BLOCK`` elements per task.
 
     z = y + e (``has_y``) or z = e (server side, ``y`` unused). Element ``i`` of ``e``
     is element ``base + i`` of the bucket; ``offsets`` are the bucket's segments and
     ``scales[seg]`` the scale of segment ``seg`` here. Writes ``packed[i // 8]`` bit
-    ``7 - i % 8`` = (z >= 0) for every i < len(e), and ``e <- z - scale*sign`` on the
-    real elements (bucket index < offsets[-1]); padding keeps its error (0).
+    ``7 - i % 8`` = (z >= 0) for every i < len(e), and ``e_out <- z - scale*sign`` on the
+    real elements (bucket index < offsets[-1]; ``e_out`` may be ``e``); padding is not written.
     ``y`` (when used) must hold every element of ``e`` that is real, i.e. at least
     ``offsets[-1] - base`` elements; elements past ``len(y)`` read as 0.
 
@@ -207,14 +218,14 @@ def pack_update(y, has_y, e, base, offsets, scales, packed):
                         z = load(y, i) + e[i] if has_y else e[i]
                         pos = z >= np.float32(0.0)
                         bits[b0 + k] = pos
-                        e[i] = z - (s if pos else ns)
+                        e_out[i] = z - (s if pos else ns)
                 else:
                     for k in range(cnt):
                         i = a + k
                         z = load(y, i) + e[i] if i < ny else e[i]
                         pos = z >= np.float32(0.0)
                         bits[b0 + k] = pos
-                        e[i] = z - (s if pos else ns)
+                        e_out[i] = z - (s if pos else ns)
                 lo = end
                 seg += 1
         for i in range(max(j0, numel - base), j1):  # padding: its sign only, the error stays
@@ -225,6 +236,103 @@ def pack_update(y, has_y, e, base, offsets, scales, packed):
             r = q * np.uint64(8)
             packed[ob + q] = ((bits[r] << 7) | (bits[r + 1] << 6) | (bits[r + 2] << 5) | (bits[r + 3] << 4)
                               | (bits[r + 4] << 3) | (bits[r + 5] << 2) | (bits[r + 6] << 1) | bits[r + 7])
+
+
+def make_groups(offsets: np.ndarray, block: int = BLOCK) -> np.ndarray | None:
+    """int64[ngroups, 2] of (first segment, stop segment): runs of whole consecutive segments of
+    at most ``block`` elements in all, for :func:`compress_fused`; None when a segment is
+    longer than ``block`` (the two-pass kernels then serve the plan)."""
+    sizes = np.diff(np.asarray(offsets, dtype=np.int64))
+    if len(sizes) and int(sizes.max()) > block:
+        return None
+    rows, first, total = [], 0, 0
+    for seg, n in enumerate(sizes.tolist()):
+        if total + n > block:
+            rows.append((first, seg))
+            first, total = seg, 0
+        total += n
+    if len(sizes):
+        rows.append((first, len(sizes)))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+
+
+@njit(parallel=True, cache=True)
+def compress_fused(y, e, e_out, offsets, groups, scales, packed, part_idx, part_val):
+    """The whole worker side in one pass over memory, for segments of at most ``BLOCK`` elements.
+
+    Per group of whole segments (:func:`make_groups`), each segment is summed (:func:`_sumsq`,
+    bitwise the two-pass path's scale), then its elements, now in L1, are signed and their
+    error written: ``e_out <- z - scale*sign`` (``e_out`` may be ``e``). Bytes wholly inside a
+    group are written by it; the at most two bytes a group shares with its neighbours are
+    kept in ``part_idx``/``part_val`` (int64/uint8[ngroups, 2]) and merged after the parallel
+    loop, with the padding's bits (sign of y + e; the padding's error is not written). ``y``
+    covers at least the real elements; its elements past ``len(y)`` read as 0.
+    """
+    n_el = e.shape[0]
+    ny = y.shape[0]
+    numel = offsets[-1]
+    for g in prange(groups.shape[0]):
+        s0 = groups[g, 0]
+        s1 = groups[g, 1]
+        lo = offsets[s0]
+        hi = offsets[s1]
+        base8 = lo & ~np.int64(7)
+        bits = np.empty(BLOCK + 16, np.uint8)
+        for seg in range(s0, s1):
+            a = offsets[seg]
+            cnt = offsets[seg + 1] - a
+            acc = _sumsq(y, e, np.uint64(a), np.uint64(cnt))
+            s = np.float32(np.sqrt(acc / cnt))
+            scales[seg] = s
+            ns = -s
+            ua = np.uint64(a)
+            b0 = np.uint64(a - base8)
+            for k in range(np.uint64(cnt)):
+                i = ua + k
+                z = load(y, i) + e[i]
+                pos = z >= np.float32(0.0)
+                bits[b0 + k] = pos
+                e_out[i] = z - (s if pos else ns)
+        lo8 = (lo + 7) & ~np.int64(7)     # first byte wholly inside the group
+        hi8 = hi & ~np.int64(7)           # end of the last byte wholly inside
+        if lo8 < hi8:
+            r0 = np.uint64(lo8 - base8)
+            ob = np.uint64(lo8 >> 3)
+            for q in range(np.uint64((hi8 - lo8) >> 3)):
+                r = r0 + q * np.uint64(8)
+                packed[ob + q] = ((bits[r] << 7) | (bits[r + 1] << 6) | (bits[r + 2] << 5) | (bits[r + 3] << 4)
+                                  | (bits[r + 4] << 3) | (bits[r + 5] << 2) | (bits[r + 6] << 1) | bits[r + 7])
+        part_idx[g, 0] = -1
+        part_idx[g, 1] = -1
+        k = 0
+        if lo & 7:                        # the byte shared with the previous group (or the padding)
+            v = 0
+            for i in range(lo, min(hi, lo8)):
+                v |= bits[i - base8] << (7 - (i & 7))
+            part_idx[g, 0] = lo >> 3
+            part_val[g, 0] = v
+            k = 1
+        if hi & 7 and hi8 >= lo8:         # the byte shared with the next group (or the padding)
+            v = 0
+            for i in range(hi8, hi):
+                v |= bits[i - base8] << (7 - (i & 7))
+            part_idx[g, k] = hi >> 3
+            part_val[g, k] = v
+    # merge the shared bytes and the padding's bits, sequentially
+    for g in range(groups.shape[0]):
+        for k in range(2):
+            if part_idx[g, k] >= 0:
+                packed[part_idx[g, k]] = 0
+    for q in range((numel + 7) >> 3, n_el >> 3):
+        packed[q] = 0
+    for g in range(groups.shape[0]):
+        for k in range(2):
+            if part_idx[g, k] >= 0:
+                packed[part_idx[g, k]] |= part_val[g, k]
+    for i in range(numel, n_el):
+        z = (load(y, i) if i < ny else np.float32(0.0)) + e[i]
+        if z >= np.float32(0.0):
+            packed[i >> 3] |= np.uint8(1 << (7 - (i & 7)))
 
 
 # -- server side --------------------------------------------------------------------------

@@ -125,8 +125,8 @@ def _make_kernels(decode):
             partial[t] = acc_sh[0]
 
     @cuda.jit
-    def pack_update(y, has_y, e, base, offsets, scales, packed):
-        """Bits of z (MSB first) into packed; e <- z - scale*sign on real elements."""
+    def pack_update(y, has_y, e, e_out, base, offsets, scales, packed):
+        """Bits of z (MSB first) into packed; e_out <- z - scale*sign on real elements (e_out may be e)."""
         bits_sh = cuda.shared.array(TPB, dtype=uint8)
         seg_sh = cuda.shared.array(1, dtype=int64)
         tid = cuda.threadIdx.x
@@ -143,7 +143,7 @@ def _make_kernels(decode):
             j = base + i
             if j < numel:
                 s = scales[_walk(offsets, seg0, j)]
-                e[i] = z - s if bit else z + s
+                e_out[i] = z - s if bit else z + s
         bits_sh[tid] = bit
         cuda.syncthreads()
         if tid < TPB // 8:
@@ -304,11 +304,12 @@ def worker_scales(y, worker_error, plan, out):
     return out
 
 
-def pack_update(y, e, base, plan, scales, packed, has_y=True):
+def pack_update(y, e, base, plan, scales, packed, has_y=True, e_out=None):
     stream = _stream(e)
     d = _plan_arrays(plan, e)
     _, pack = _kernels(_kind(y))
-    pack[_grid(e.numel()), TPB, stream](_arr(y), has_y, _arr(e), base, d["offsets"], _arr(scales), _arr(packed))
+    eo = _arr(e) if e_out is None else _arr(e_out)
+    pack[_grid(e.numel()), TPB, stream](_arr(y), has_y, _arr(e), eo, base, d["offsets"], _arr(scales), _arr(packed))
     return packed
 
 
@@ -324,7 +325,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan, packed, scales):
         sumsq[ntasks, TPB, stream](se, False, se, plan.chunk_start, d["server_tasks"], d["server_partial"])
     _reduce_scales[_grid(plan.nseg), TPB, stream](d["server_seg_ptr"], d["server_partial"], d["offsets"],
                                                   plan.chunk_start, plan.chunk_start + plan.chunk_numel, _arr(scales))
-    pack[_grid(server_error.numel()), TPB, stream](se, False, se, plan.chunk_start, d["offsets"], _arr(scales),
+    pack[_grid(server_error.numel()), TPB, stream](se, False, se, se, plan.chunk_start, d["offsets"], _arr(scales),
                                                    _arr(packed))
     return packed, scales
 

@@ -195,6 +195,53 @@ def test_kernels_past_one_block_and_one_task(numels, p, seed, unpadded):
                        reference.decompress(got, sscales, offsets, n))
 
 
+@settings(max_examples=40, deadline=None)
+@given(numels=st.lists(st.one_of(st.integers(1, 12), st.integers(1, 4096), st.integers(4097, 9000)),
+                       min_size=1, max_size=9),
+       p=st.integers(1, 8), seed=st.integers(0, 2 ** 31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       unpadded=st.booleans(), target=st.sampled_from(["in_place", "second_buffer", "over_y"]),
+       special=st.sampled_from([None, float("nan"), float("inf"), -0.0]))
+def test_worker_compress_in_one_pass_is_bitwise_the_two_passes(numels, p, seed, dtype, unpadded, target, special):
+    """worker_compress (one pass over memory when every segment has at most cpu.BLOCK elements,
+    else two) gives the scales, bits and errors of worker_scales + worker_pack bit for bit; with
+    a second buffer (or over y) as ``error_out`` the input error is left exactly as it was."""
+    from hvd_zoadam.native import cpu
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(numels)
+    big = padded_numel(n, p)
+    offsets = segment_offsets(numels)
+    plan = native.Plan(offsets, big, p, seed % p)
+    assert (plan.groups is None) == (max(numels) > cpu.BLOCK)
+    y = torch.zeros(big)
+    y[:n] = torch.randn(n, generator=gen) * 10.0 ** float(torch.randint(-4, 4, (1,), generator=gen))
+    if special is not None:
+        y[int(torch.randint(0, n, (1,), generator=gen))] = special
+    y = y.to(dtype)
+    e = torch.zeros(big)
+    e[:n] = torch.randn(n, generator=gen) * 0.1
+    y_in = y[:n] if unpadded else y
+    want_e, want_s = e.clone(), torch.zeros(len(numels))
+    want_pk = torch.zeros(big // 8, dtype=torch.uint8)
+    native.worker_scales(y_in, want_e, plan, want_s)
+    native.worker_pack(y_in, want_e, plan, want_s, want_pk)
+    got_e, got_s = e.clone(), torch.full((len(numels),), 7.0)
+    got_pk = torch.full((big // 8,), 0xA5, dtype=torch.uint8)
+    if target == "over_y" and dtype == torch.float32 and not unpadded:
+        out = y_in = y_in.clone()
+    elif target == "in_place":
+        out = got_e
+    else:
+        out = torch.full((big,), 3.0)
+        out[n:] = 0
+    native.worker_compress(y_in, got_e, plan, got_s, got_pk, error_out=out)
+    same = lambda a, b: torch.equal(a.nan_to_num(1.5, 2.5, -2.5), b.nan_to_num(1.5, 2.5, -2.5))  # noqa: E731
+    assert same(got_s, want_s) and torch.equal(got_pk, want_pk) and same(out[:n], want_e[:n])
+    assert out[n:].eq(0).all()
+    if out is not got_e:
+        assert torch.equal(got_e, e)
+
+
 @settings(max_examples=30, deadline=None)
 @given(case=cases(), beta1=st.sampled_from([0.0, 0.9, 0.99]))
 def test_decompress_into_momentum_is_bitwise_the_reference(case, beta1):

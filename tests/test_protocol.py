@@ -69,6 +69,44 @@ def test_multi_segment_buckets_equal_simulation(p):
         assert torch.equal(want, xs[0])
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_exchange_input_becomes_the_worker_error_and_a_skip_keeps_both(p):
+    """y filled into ``Exchange.input``: the worker side writes the new error over it and the
+    two buffers swap roles only when no rank's scales are non-finite. Four exchanges, the second
+    skipped (NaN on the last rank): every result and error buffer equals the simulation that
+    skips it, and a skipped exchange keeps the very tensor objects too."""
+    numels = [300, 5000, 7, 4096]  # segments of one block, over one block, and tiny
+    n = sum(numels)
+    xs = [_inputs(n, p, seed=10 + c) for c in range(4)]
+    xs[1][p - 1][123] = float("nan")
+
+    def body(rank, transport):
+        ex = Exchange(numels, transport, "swap")
+        outs, kept = [], []
+        for c in range(4):
+            before = (ex.worker_error, ex.input, ex.worker_error.clone())
+            ex.input[:n].copy_(xs[c][rank])
+            scales = ex.prepare(ex.input)
+            if scales is None:
+                kept.append(ex.worker_error is before[0] and ex.input is before[1]
+                            and torch.equal(ex.worker_error, before[2]))
+                outs.append(None)
+                continue
+            outs.append(ex.finish(None, scales, torch.empty(n)))
+            kept.append(ex.worker_error is before[1] and ex.input is before[0])
+        return outs, kept, ex.worker_error, ex.server_error
+    got = run_threads(p, body)
+    we = [torch.zeros(padded_numel(n, p)) for _ in range(p)]
+    se = [torch.zeros(padded_numel(n, p) // p) for _ in range(p)]
+    for c in (0, 2, 3):
+        want = simulate_compressed_allreduce(xs[c], we, se, numels)
+        for r in range(p):
+            assert torch.equal(got[r][0][c], want)
+    for r in range(p):
+        assert got[r][0][1] is None and got[r][1] == [True] * 4
+        assert torch.equal(got[r][2], we[r]) and torch.equal(got[r][3], se[r])
+
+
 def test_server_identity_holds():
     p, n = 3, 50
     xs = _inputs(n, p, seed=9)

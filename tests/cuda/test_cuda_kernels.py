@@ -68,6 +68,10 @@ def test_worker_side_matches_the_cpu_kernels(case, unpadded):
     assert torch.equal(gpk.cpu(), cpu_packed)
     assert torch.equal(ge.cpu(), ce)
     assert torch.equal(cpu_packed, reference.worker_pack(y.float(), e.clone(), offsets, cpu_scales))
+    # the new error into a second buffer (the exchange's staging): the same values, input error kept
+    ge2, gout = dev(e.clone()), dev(torch.zeros(big))
+    kcuda.pack_update(dev(y_in), ge2, 0, plan, dev(cpu_scales), gpk, e_out=gout)
+    assert torch.equal(gout.cpu()[:n], ce[:n]) and torch.equal(ge2.cpu(), e)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
