@@ -12,7 +12,7 @@ How they reach memory speed on one core:
 * Work is cut into blocks of ``BLOCK`` elements that stay in L1. Per segment piece
   of a block, one branch-free loop computes z once, writes its sign as a byte to a
   block-local scratch and updates the error; the block's bytes of bits are then
-  assembled 8 at a time (MSB first, spec §3). The inputs cross memory once per pass.
+  assembled 8 at a time (MSB first, spec §3) by one multiplication each (:func:`_pack8`). The inputs cross memory once per pass.
   (An earlier version packed 64 signs into a uint64 in a segment-agnostic loop and
   recomputed z for the error update: 1.45x slower.)
 * The worker side runs in one pass over memory when no segment is longer than
@@ -35,10 +35,15 @@ arithmetic, used by the CUDA kernels; the tests check the two agree on all 65 53
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
+
+if sys.byteorder != "little":  # _pack8 reads 8 sign bytes as one little-endian uint64
+    raise ImportError("hvd_zoadam.native.cpu assumes a little-endian CPU")
 
 TASK_NUMEL = 1 << 16
 BLOCK = 1 << 12          # elements per block of the packing kernel; a multiple of 8
@@ -177,6 +182,16 @@ def reduce_scales(tasks, partial, offsets, lo, hi, scales):
             scales[s] = np.float32(0.0)
 
 
+@njit(cache=True)
+def _pack8(x):
+    """The byte of 8 sign flags (each byte of the little-endian uint64 ``x`` is 0 or 1, the
+    first element in the lowest byte), MSB first: flag k lands on bit 63 - k of the product,
+    every other partial product on a distinct lower bit, so nothing carries into the top byte.
+    Only read through a view made inside a parallel loop: numba 0.68 can lose writes
+    through such a view, not reads (the tests compare the bytes with numpy's packbits)."""
+    return np.uint8((x * np.uint64(0x8040201008040201)) >> np.uint64(56))
+
+
 @njit(parallel=True, cache=True)
 def pack_update(y, has_y, e, e_out, base, offsets, scales, packed):
     """Sign-pack z and update the error, one block of ``BLOCK`` elements per task.
@@ -231,11 +246,10 @@ def pack_update(y, has_y, e, e_out, base, offsets, scales, packed):
         for i in range(max(j0, numel - base), j1):  # padding: its sign only, the error stays
             z = load(y, i) + e[i] if has_y and i < ny else e[i]
             bits[i - j0] = z >= np.float32(0.0)
+        b64 = bits.view(np.uint64)  # read only (see _pack8)
         ob = np.uint64(j0 >> 3)
         for q in range(np.uint64((j1 - j0) >> 3)):
-            r = q * np.uint64(8)
-            packed[ob + q] = ((bits[r] << 7) | (bits[r + 1] << 6) | (bits[r + 2] << 5) | (bits[r + 3] << 4)
-                              | (bits[r + 4] << 3) | (bits[r + 5] << 2) | (bits[r + 6] << 1) | bits[r + 7])
+            packed[ob + q] = _pack8(b64[q])
 
 
 def make_groups(offsets: np.ndarray, block: int = BLOCK) -> np.ndarray | None:
@@ -296,12 +310,11 @@ def compress_fused(y, e, e_out, offsets, groups, scales, packed, part_idx, part_
         lo8 = (lo + 7) & ~np.int64(7)     # first byte wholly inside the group
         hi8 = hi & ~np.int64(7)           # end of the last byte wholly inside
         if lo8 < hi8:
-            r0 = np.uint64(lo8 - base8)
+            b64 = bits.view(np.uint64)  # read only (see _pack8)
+            r0 = np.uint64((lo8 - base8) >> 3)
             ob = np.uint64(lo8 >> 3)
             for q in range(np.uint64((hi8 - lo8) >> 3)):
-                r = r0 + q * np.uint64(8)
-                packed[ob + q] = ((bits[r] << 7) | (bits[r + 1] << 6) | (bits[r + 2] << 5) | (bits[r + 3] << 4)
-                                  | (bits[r + 4] << 3) | (bits[r + 5] << 2) | (bits[r + 6] << 1) | bits[r + 7])
+                packed[ob + q] = _pack8(b64[r0 + q])
         part_idx[g, 0] = -1
         part_idx[g, 1] = -1
         k = 0
