@@ -71,10 +71,12 @@ def _decay(param: torch.Tensor, h: Hyper) -> None:
         param.mul_(1 - h.lr * h.weight_decay)
 
 
-def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None) -> None:
+def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None, denom_out=None) -> None:
     """VARIANCE (spec §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s.
 
     ``mask`` (bool[n] or None): the momentum mask; coordinates where it is False keep m = 0.
+    ``denom_out`` (float32[n] or None): a scratch for s (bitwise the same values), so that a
+    step allocates nothing bucket-sized.
     """
     _decay(param, h)
     grad = _l2(grad_avg, param, h)
@@ -82,7 +84,7 @@ def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None) -> 
     if mask is not None:
         exp_avg.mul_(mask)
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
-    param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h), value=-h.lr / h.bias_correction1)
+    param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h, out=denom_out), value=-h.lr / h.bias_correction1)
 
 
 def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:

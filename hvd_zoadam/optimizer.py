@@ -896,7 +896,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             x = self._load_x(b)
             # Only the user's mask here: with the exact average, v == 0 after this step means every
             # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
-            kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h, b.mask)
+            kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=self._scratch_d(b.numel))
             self._scatter(x, b.params)
 
     def _compressed_step(self, step, k):
