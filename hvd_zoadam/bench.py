@@ -343,7 +343,7 @@ def cmd_kernels(args) -> dict:
 # -- model -----------------------------------------------------------------------------------
 
 def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s: float, compute_s: float,
-              frac: dict | None = None, width_bytes: int = 4) -> float:
+              frac: dict | None = None, width_bytes: int = 4, scale_block_numel: int | None = None) -> float:
     """Alpha-beta step time in seconds for one training step averaged over a run.
 
     n: parameters; p: workers; bandwidth_bps: link bits/s per direction; latency_s: alpha
@@ -354,6 +354,11 @@ def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s:
     ~2(p−1)/p·n/8 bytes and 3(p−1)·alpha. ``frac``: share of steps of each kind
     (variance, compressed, local, sync); systems: "adam" (fp32), "adam-fp16", "1bit-adam",
     "zoadam" (no overlap of communication with compute is assumed).
+
+    ``scale_block_numel`` (0/1 Adam): one float32 scale per block of that many elements; both
+    allgathers of scales then send 2(p−1)·4·n/scale_block_numel bytes per rank, 32p/block
+    times the bits (equal at p = 64 with 2048-element blocks). None: scales per tensor,
+    negligible (as for 1-bit Adam).
     """
     beta = bandwidth_bps / 8.0
     full = lambda w: 2 * (p - 1) * latency_s + 2 * (p - 1) / p * w * n / beta  # noqa: E731
@@ -369,6 +374,8 @@ def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s:
         warm = frac.get("variance", 0.15)
         return compute_s + warm * full(4) + (1 - warm) * onebit
     if system == "zoadam":
+        if scale_block_numel:
+            onebit += 2 * (p - 1) * 4 * n / scale_block_numel / beta
         return compute_s + frac.get("variance", 0.0) * full(4) + (frac.get("compressed", 0.0)
                                                                   + frac.get("sync", 0.0)) * onebit
     raise ValueError(f"unknown system {system!r}")
@@ -395,7 +402,7 @@ def cmd_model(args) -> dict:
                     total = sum(kinds.values())
                     frac = {k: v / total for k, v in kinds.items()}
                 pred = 1.0 / step_time(system, n=n, p=p, bandwidth_bps=bps, latency_s=args.latency,
-                                       compute_s=compute_s, frac=frac)
+                                       compute_s=compute_s, frac=frac, scale_block_numel=args.measured_scale_block)
                 checks.append({"rate": rate, "run": run, "predicted_steps_per_s": pred,
                                "measured_steps_per_s": runs[run]["steps_per_s"],
                                "error": pred / runs[run]["steps_per_s"] - 1})
@@ -410,11 +417,13 @@ def cmd_model(args) -> dict:
             row = {"gbit_per_s": gbit, "workers": p}
             for system in ("adam-fp16", "1bit-adam", "zoadam"):
                 row[system + "_s"] = step_time(system, n=n, p=p, bandwidth_bps=gbit * 1e9, latency_s=args.latency_bert,
-                                               compute_s=args.bert_compute_s, frac=frac_zo, width_bytes=2)
+                                               compute_s=args.bert_compute_s, frac=frac_zo, width_bytes=2,
+                                               scale_block_numel=args.scale_block_numel)
             row["zoadam_speedup_vs_adam_fp16"] = row["adam-fp16_s"] / row["zoadam_s"]
             row["zoadam_speedup_vs_1bit_adam"] = row["1bit-adam_s"] / row["zoadam_s"]
             proj.append(row)
     out["bert_large"] = {"params": n, "compute_s_per_step": args.bert_compute_s, "latency_s": args.latency_bert,
+                         "zoadam_scale_block_numel": args.scale_block_numel,
                          "zoadam_step_fractions": frac_zo, "1bit_adam_warmup_fraction": 0.15, "rows": proj}
     return out
 
@@ -469,6 +478,10 @@ def main(argv=None) -> int:
     mo.add_argument("--latency-bert", type=float, default=5e-6, help="alpha on the projected cluster, seconds")
     mo.add_argument("--bert-compute-s", type=float, default=0.15,
                     help="BERT-Large compute per step and GPU, seconds (assumption; see README)")
+    mo.add_argument("--scale-block-numel", type=int, default=2048,
+                    help="0/1 Adam's elements per 1-bit scale in the projection (0: per tensor)")
+    mo.add_argument("--measured-scale-block", type=int, default=256,
+                    help="the same for the measured run (the bench's zoadam run uses 256)")
     mo.add_argument("--zo-variance-frac", type=float, default=0.002)
     mo.add_argument("--zo-compressed-frac", type=float, default=0.01)
     mo.add_argument("--zo-sync-frac", type=float, default=0.10)

@@ -191,6 +191,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
                                          if p.requires_grad):
             raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
+        native.warm_up()  # the kernels' JIT here, not as a stall of the first exchanging step
         self._ready = True
 
     # -- construction ----------------------------------------------------------------------
@@ -976,21 +977,23 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         def fill(b, buf):
             group = self.param_groups[b.group_index]
             buf[b.numel:].zero_()
-            kinds.sync_prepare(x_of(b), b.anchor, None if self.precondition_compression else denom_of(b),
-                               group["decay_product"], buf[:b.numel],
-                               self.precondition_compression)
+            if self.precondition_compression:  # the common case in one pass
+                native.sync_prepare(x_of(b), b.anchor, group["decay_product"], buf[:b.numel])
+            else:
+                kinds.sync_prepare(x_of(b), b.anchor, denom_of(b), group["decay_product"], buf[:b.numel], False)
 
         def consume(b, w):
             group = self.param_groups[b.group_index]
-            if group["decay_product"] != 1.0:
-                b.anchor.mul_(group["decay_product"])
             x = b.master if b.master is not None else self._scratch["x"][:b.numel]
             in_scratch["x"] = None  # overwritten with the new x below
             mask = self._mask_of(b)
             h = self._hyper(group, step, k)
             if mask is None and self.precondition_compression:  # the common case in one pass
-                native.sync_rebuild(w, b.anchor, x, b.exp_avg, denom_of(b), h.bias_correction1 / group["lr_sum"])
+                native.sync_rebuild(w, b.anchor, x, b.exp_avg, denom_of(b), h.bias_correction1 / group["lr_sum"],
+                                    group["decay_product"])
             else:
+                if group["decay_product"] != 1.0:
+                    b.anchor.mul_(group["decay_product"])
                 kinds.sync_finish(x, b.anchor, b.exp_avg, denom_of(b), w, group["lr_sum"], h, mask,
                                   self.precondition_compression)
             if mask is not None:

@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["configure_threads", "Plan", "all_finite", "clamp_by", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["configure_threads", "warm_up", "Plan", "all_finite", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -229,18 +229,33 @@ def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
     return torch.maximum(g, bound.neg_(), out=g)
 
 
-def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float) -> None:
+def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product: float = 1.0) -> None:
     """SYNC steps 5-7 (spec §2) from an unpacked ``w`` in parameter units (preconditioned, no
-    mask): ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
-    :func:`hvd_zoadam.kinds.sync_finish` with ``preconditioned=True, mask=None``; one pass on
-    the CPU instead of four. All float32[n]."""
+    mask): the window's decay on the anchor (``anchor ← anchor·decay_product``), then
+    ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
+    ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.kinds.sync_finish` with
+    ``preconditioned=True, mask=None``; one pass on the CPU instead of five. All float32[n]."""
     tensors = (w, anchor, param, exp_avg, denom)
     if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        cpu.sync_rebuild(*(t.numpy() for t in tensors), np.float32(factor))
+        cpu.sync_rebuild(*(t.numpy() for t in tensors), np.float32(factor), np.float32(decay_product))
         return
+    if decay_product != 1.0:
+        anchor.mul_(decay_product)
     torch.sub(anchor, w, out=param)
     torch.mul(w, denom, out=exp_avg).mul_(factor)
     anchor.copy_(param)
+
+
+def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:
+    """SYNC steps 2-3 (spec §2) in parameter units: ``out = anchor·decay_product − param``
+    (the anchor itself unchanged), bitwise :func:`hvd_zoadam.kinds.sync_prepare` with
+    ``preconditioned=True``; one pass on the CPU instead of two. All float32[n]. Returns ``out``."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in (param, anchor, out)):
+        cpu.sync_prepare(param.numpy(), anchor.numpy(), np.float32(decay_product), out.numpy())
+        return out
+    if decay_product != 1.0:
+        return torch.mul(anchor, decay_product, out=out).sub_(param)
+    return torch.sub(anchor, param, out=out)
 
 
 _NO_MASK = np.zeros(0, dtype=np.bool_)
@@ -266,3 +281,44 @@ def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp
                             anchor.numpy(), param.numpy(), exp_avg.numpy(), denom.numpy(),
                             _NO_MASK if mask is None else mask.numpy(), float(decay_product), float(factor),
                             bool(preconditioned))
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the CPU kernels for float32 inputs, on tiny arrays.
+
+    The optimizer calls it at construction, so that the first exchanging step does not stall
+    for the JIT (tens of seconds with a cold cache, every rank at once); later calls return at
+    once. float16/bfloat16 inputs compile on first use.
+    """
+    global _warm
+    if _warm:
+        return
+    n, p = 24, 2
+    for offsets in ([0, 10, n], [0, 5000]):  # one pass (short segments) and two passes
+        m = offsets[-1]
+        big = m + (-m) % (8 * p)
+        plan = Plan(offsets, big, p, 0)
+        y, e = torch.ones(big), torch.zeros(big)
+        packed, scales = torch.zeros(big // 8, dtype=torch.uint8), torch.zeros(plan.nseg)
+        worker_compress(y, e, plan, scales, packed, error_out=torch.zeros(big))
+    plan = Plan([0, 10, n], n + (-n) % (8 * p), p, 0)
+    chunk = plan.chunk_numel
+    recv, wscales = torch.zeros(p, chunk // 8, dtype=torch.uint8), torch.ones(p, plan.nseg)
+    server_reduce(recv, wscales, torch.zeros(chunk), plan, torch.zeros(chunk // 8, dtype=torch.uint8),
+                  torch.zeros(plan.nseg))
+    packed = torch.zeros(plan.padded_numel // 8, dtype=torch.uint8)
+    v = [torch.ones(n) for _ in range(5)]
+    decompress(packed, wscales, plan, v[0])
+    decompress_momentum(packed, wscales, plan, v[0], 0.9)
+    for mask in (None, torch.ones(n, dtype=torch.bool)):
+        for preconditioned in (True, False):
+            decompress_sync(packed, wscales, plan, anchor=v[0], param=v[1], exp_avg=v[2], denom=v[3], factor=0.5,
+                            decay_product=0.5, mask=mask, preconditioned=preconditioned)
+    all_finite(v[0])
+    clamp_by(v[0], v[1], 1.0)
+    sync_prepare(v[0], v[1], 0.5, v[4])
+    sync_rebuild(v[4], v[0], v[1], v[2], v[3], 0.5, 0.5)
+    _warm = True

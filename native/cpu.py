@@ -533,15 +533,29 @@ def clamp_by(g, denom, c):
 
 
 @njit(parallel=True, cache=True)
-def sync_rebuild(w, anchor, param, exp_avg, denom, f):
-    """SYNC steps 5-7 from an unpacked w (preconditioned, no mask): param = anchor - w,
-    exp_avg = (w * denom) * f, anchor = param; one pass, bitwise ``kinds.sync_finish``."""
+def sync_rebuild(w, anchor, param, exp_avg, denom, f, decay):
+    """SYNC steps 5-7 from an unpacked w (preconditioned, no mask): a = anchor*decay (when
+    decay != 1), param = a - w, exp_avg = (w * denom) * f, anchor = param; one pass, bitwise
+    ``anchor.mul_(decay)`` then ``kinds.sync_finish``."""
+    decayed = decay != np.float32(1.0)
     for t in prange((w.shape[0] + TASK_NUMEL - 1) // TASK_NUMEL):
         lo = np.uint64(t * TASK_NUMEL)
         for k in range(np.uint64(min(w.shape[0], t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
             i = lo + k
             wi = w[i]
-            x = anchor[i] - wi
+            x = (anchor[i] * decay if decayed else anchor[i]) - wi
             exp_avg[i] = (wi * denom[i]) * f
             param[i] = x
             anchor[i] = x
+
+
+@njit(parallel=True, cache=True)
+def sync_prepare(param, anchor, decay, out):
+    """SYNC steps 2-3, preconditioned: out = anchor*decay - param (anchor - param when decay is
+    1), bitwise ``kinds.sync_prepare``; one pass instead of two."""
+    decayed = decay != np.float32(1.0)
+    for t in prange((out.shape[0] + TASK_NUMEL - 1) // TASK_NUMEL):
+        lo = np.uint64(t * TASK_NUMEL)
+        for k in range(np.uint64(min(out.shape[0], t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
+            i = lo + k
+            out[i] = (anchor[i] * decay if decayed else anchor[i]) - param[i]

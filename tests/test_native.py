@@ -327,16 +327,26 @@ def test_clamp_by_is_bitwise_the_torch_ops(n, scale, seed, c):
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
-def test_sync_rebuild_is_bitwise_kinds_sync_finish():
+@pytest.mark.parametrize("decay", [1.0, 0.9999876])
+def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
+    """native.sync_prepare / sync_rebuild (one pass each) against kinds.sync_prepare, then
+    anchor.mul_(decay) and kinds.sync_finish (five torch passes), bit for bit."""
     from hvd_zoadam import kinds
     gen = torch.Generator().manual_seed(3)
     n = 150_001
-    w, anchor = torch.randn(n, generator=gen) * 1e-3, torch.randn(n, generator=gen)
+    x, anchor = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    x.add_(torch.randn(n, generator=gen) * 1e-3)
     denom = torch.rand(n, generator=gen) * 1e-2 + 1e-8
     h = kinds.Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
                     bias_correction=True, step=40, exp_avg_sq_steps=9)
+    w1, w2 = torch.empty(n), torch.full((n,), 7.0)
+    kinds.sync_prepare(x, anchor, None, decay, w1, True)
+    native.sync_prepare(x, anchor, decay, w2)
+    assert torch.equal(w1, w2)
     a1, x1, m1 = anchor.clone(), torch.empty(n), torch.empty(n)
-    kinds.sync_finish(x1, a1, m1, denom, w.clone(), 0.0123, h, None, True)
+    if decay != 1.0:
+        a1.mul_(decay)
+    kinds.sync_finish(x1, a1, m1, denom, w1.clone(), 0.0123, h, None, True)
     a2, x2, m2 = anchor.clone(), torch.empty(n), torch.empty(n)
-    native.sync_rebuild(w, a2, x2, m2, denom, h.bias_correction1 / 0.0123)
+    native.sync_rebuild(w2, a2, x2, m2, denom, h.bias_correction1 / 0.0123, decay)
     assert torch.equal(x1, x2) and torch.equal(m1, m2) and torch.equal(a1, a2)
