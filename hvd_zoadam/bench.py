@@ -205,21 +205,18 @@ def cmd_step(args) -> dict:
         return m
 
     def timed(step, n):
-        for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
             step()
-        best = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            best.append((time.perf_counter() - t0) / n)
-        return min(best)
+        return (time.perf_counter() - t0) / n
 
     m = model()
     adamw = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
-    base = timed(adamw.step, args.iters)
+    for _ in range(3):
+        adamw.step()
+    bases = []
     out = {"benchmark": "step", "world_size": hvd.size(), "params": sum(p.numel() for p in m.parameters()),
-           "threads": args.threads, "adamw_foreach_ms": base * 1e3, "kinds": {}}
+           "threads": args.threads, "kinds": {}}
     # One optimizer per kind, with a schedule that makes every timed step that kind.
     configs = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
                StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
@@ -232,9 +229,14 @@ def cmd_step(args) -> dict:
         for _ in range(4):
             opt.step()
         seen = opt._next_kind()[1]
-        t = timed(opt.step, args.iters)
-        out["kinds"][kind.value] = {"ms": t * 1e3, "vs_adamw_foreach": t / base, "measured_kind": seen.value}
-    out["target"] = "each kind <= 1.3x AdamW(foreach=True)"
+        # AdamW and the kind alternate, so that a change in the machine's load hits both alike
+        pairs = [(timed(adamw.step, args.iters), timed(opt.step, args.iters)) for _ in range(args.repeats)]
+        base, t = min(b for b, _ in pairs), min(k for _, k in pairs)
+        bases.append(base)
+        out["kinds"][kind.value] = {"ms": t * 1e3, "adamw_foreach_ms": base * 1e3, "vs_adamw_foreach": t / base,
+                                    "measured_kind": seen.value}
+    out["adamw_foreach_ms"] = min(bases) * 1e3
+    out["target"] = "each kind <= 1.3x AdamW(foreach=True), timed alternately with it"
     out["met"] = all(k["vs_adamw_foreach"] <= 1.3 for k in out["kinds"].values())
     return out
 
