@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hvd_zoadam import native
 from hvd_zoadam.layout import padded_numel, segment_offsets
 from hvd_zoadam.native import reference
-from kernel_cases import bucket_cases, server_inputs
+from conftest import bucket_cases, server_inputs
 
 
 def test_bits_are_msb_first_and_both_zeros_are_plus_one():

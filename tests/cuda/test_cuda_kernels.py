@@ -23,7 +23,7 @@ from numba import config, cuda
 from hvd_zoadam import native
 from hvd_zoadam.layout import segment_offsets
 from hvd_zoadam.native import reference
-from kernel_cases import bucket_cases, server_inputs
+from conftest import bucket_cases, server_inputs
 
 SIM = bool(config.ENABLE_CUDASIM)
 pytestmark = pytest.mark.skipif(not (SIM or (cuda.is_available() and torch.cuda.is_available())),
