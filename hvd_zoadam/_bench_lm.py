@@ -4,7 +4,9 @@ trained by one of the compared systems. Launched by mpirun (one rank per simulat
 Runs (``--run``):
   adam          hvd.DistributedOptimizer(torch.optim.AdamW), fp32 allreduce (Horovod, MPI controller)
   adam-fp16     the same with compression=hvd.Compression.fp16
-  zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW) with the main job's defaults
+  zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW), freeze at --warmup, one scale per
+                256 elements, var_update_scaler 2 (README: short runs want 2-4; 8, the 400-step
+                demo's, made 10 of the 12 warm-up steps full precision), H by the lr policy up to 8
   ddp-powersgd  torch DDP over gloo with the PowerSGD hook (rank --powersgd-rank, error feedback,
                 warm start; plain allreduce for the first --warmup steps), bucket_cap_mb=1000
   ddp-localsgd  torch DDP over gloo with post-local SGD: allreduce for --warmup steps, then local
@@ -60,6 +62,10 @@ def parse(argv=None):
     ap.add_argument("--master", default=os.environ.get("ZO_MASTER", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--transport", default="auto", help="hvd_zoadam's transport for the zoadam run")
+    ap.add_argument("--var-update-scaler", type=int, default=2, help="0/1 Adam's kappa (zoadam run)")
+    ap.add_argument("--local-step-policy", default="lr", help="0/1 Adam's H policy (zoadam run)")
+    ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
+    ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -98,7 +104,8 @@ def main(argv=None):
             import hvd_zoadam
             opt = hvd_zoadam.DistributedOptimizer(
                 inner, named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
-                var_update_scaler=8, local_step_scaler=40, local_step_clipper=8, local_step_policy="lr",
+                var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
+                local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
                 scale_block_numel=256, transport=args.transport)
         else:
             comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
@@ -165,7 +172,10 @@ def main(argv=None):
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
                                                                                         "local", "sync")},
-                   timed_seconds_by_kind=kind_s)
+                   timed_seconds_by_kind=kind_s,
+                   config={"var_freeze_step": args.warmup, "var_update_scaler": args.var_update_scaler,
+                           "local_step_policy": args.local_step_policy, "local_step_scaler": args.local_step_scaler,
+                           "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256})
     elif args.run.startswith("adam"):
         width = 2 if args.run == "adam-fp16" else 4
         out.update(bytes_sent_counted=args.steps * 2 * (world - 1) / world * width * n_params, rounds=args.steps)

@@ -447,14 +447,15 @@ def main(argv=None) -> int:
     net.add_argument("--rate", action="append", default=None,
                      help="link rate, e.g. 100mbit or 1gbit; repeat for several (default: 100mbit and 1gbit)")
     net.add_argument("--ranks", type=int, default=2)
-    net.add_argument("--steps", type=int, default=60)
+    net.add_argument("--steps", type=int, default=100)
     net.add_argument("--warmup", type=int, default=12, help="LR warm-up steps; also 0/1 Adam's freeze, PowerSGD's "
                                                             "and post-local SGD's start")
     net.add_argument("--skip", type=int, default=3, help="untimed first steps")
     net.add_argument("--runs", default=",".join(RUN_LABELS), help="subset of " + ",".join(RUN_LABELS))
     net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
-                     help="extra worker flags, e.g. --n-layer 1 --n-embd 64 (must come last)")
+                     help="extra worker flags, e.g. --n-layer 1 --n-embd 64, or 0/1 Adam's --var-update-scaler 8 "
+                          "--local-step-policy steps --local-step-scaler 40 --local-step-clipper 8 (must come last)")
     net.add_argument("--json", help="also write the report here")
     net.add_argument("--png", help="bar chart of steps/s per system and rate")
     st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")

@@ -27,7 +27,7 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
     rep = bench("network", "--rate", "1gbit", "--steps", "6", "--warmup", "3", "--skip", "1", "--png", str(png),
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
-                "--batch-size", "4")
+                "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
     assert set(runs) == {"adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute"}
     for name, r in runs.items():
@@ -37,6 +37,12 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert runs["compute"]["wire_bytes_sent_per_rank"] < 0.05 * runs["adam"]["wire_bytes_sent_per_rank"]
     assert 0.4 < runs["adam-fp16"]["wire_bytes_sent_per_rank"] / runs["adam"]["wire_bytes_sent_per_rank"] < 0.7
     assert runs["zoadam"]["transport"].startswith("mpi")
+    # 0/1 Adam's knobs pass through --model-args and are reported: kappa 1 freezing at 3 gives
+    # variance steps 1 and 2 (intervals 1, 2), step 3 compressed, then local/sync steps
+    z = runs["zoadam"]
+    assert z["config"]["var_update_scaler"] == 1 and z["config"]["local_step_clipper"] == 2
+    assert z["kinds"]["variance"] == 2 and z["kinds"]["compressed"] == 1
+    assert z["kinds"]["local"] + z["kinds"]["sync"] == 3
     # the ceiling is the slowest rank's speed: nothing paces the compute-only ranks otherwise
     assert len(runs["compute"]["steps_per_s_by_rank"]) == 2
     assert runs["compute"]["steps_per_s"] == min(runs["compute"]["steps_per_s_by_rank"])
