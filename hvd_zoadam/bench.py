@@ -336,8 +336,8 @@ def cmd_kernels(args) -> dict:
         if name in targets:
             res["kernels"][name].update(target_vs_copy=targets[name], met=ratio >= targets[name])
     res["copy_GBps"] = max(copies)
-    res["note"] = ("worker_compress is the whole worker side (scales, signs, error; on the CPU in one pass over "
-                   "memory when every scale block has at most 4096 elements, as here) with the scales left on "
+    res["note"] = ("worker_compress is the whole worker side (scales, signs, error; in one pass over memory, "
+                   "on the CPU and on CUDA, when every scale block has at most 4096 elements, as here) with the scales left on "
                    "the device; targets hold at 2^24 float32 elements" + ("" if device == "cuda" else ", one thread"))
     return res
 

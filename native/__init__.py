@@ -73,6 +73,11 @@ class Plan:
         # Runs of whole segments for the one-pass worker kernel (None: a segment is too long)
         self.groups = cpu.make_groups(self.offsets)
         ng = 0 if self.groups is None else len(self.groups)
+        # Runs of whole server tasks for the one-pass CUDA server kernel. Each task is then a
+        # whole piece of a segment (a piece longer than cpu.BLOCK makes this None, and tasks
+        # split only pieces longer than cpu.TASK_NUMEL), so it has one scale.
+        self.server_groups = (cpu.make_groups(np.concatenate([self.server_tasks[:1, 1], self.server_tasks[:, 2]]))
+                              if len(self.server_tasks) else None)
         self._part_idx = np.zeros((ng, 2), dtype=np.int64)
         self._part_val = np.zeros((ng, 2), dtype=np.uint8)
         self._worker_partial = np.zeros(len(self.worker_tasks), dtype=np.float64)
@@ -144,14 +149,18 @@ def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None)
     """The whole worker side of spec §3: ``scales`` (float32[nseg]) as :func:`worker_scales`,
     ``packed`` and the new error into ``error_out`` as :func:`worker_pack`. Returns ``packed``.
 
-    On the CPU, when no segment is longer than ``cpu.BLOCK`` (4096) elements (hvd_zoadam's
-    per-block scales, 2048 by default), both steps run in one pass over memory
-    (:func:`cpu.compress_fused`): each segment is summed and then signed while it is in L1,
-    with the same scales, bits and errors as the two passes. Otherwise, and on CUDA, two
-    passes. With ``error_out`` distinct from ``worker_error`` the input error stays as it
+    When no segment is longer than ``cpu.BLOCK`` (4096) elements (hvd_zoadam's per-block
+    scales, 2048 by default), both steps run in one pass over memory: on the CPU
+    (:func:`cpu.compress_fused`) each segment is summed and then signed while it is in L1; on
+    CUDA (:func:`cuda.compress_fused`) one thread block per group of segments holds them in
+    shared memory. Both give the same scales, bits and errors as their two passes. Otherwise,
+    two passes. With ``error_out`` distinct from ``worker_error`` the input error stays as it
     was, so that a step all ranks agree to skip can leave it untouched (spec §5).
     """
     eo = worker_error if error_out is None else error_out
+    if plan.groups is not None and len(plan.groups) and _on_cuda(y, worker_error, eo, scales, packed):
+        from . import cuda as _cuda
+        return _cuda.compress_fused(y, worker_error, plan, scales, packed, e_out=eo)
     if plan.groups is not None and not _on_cuda(y, worker_error, eo, scales, packed):
         cpu.compress_fused(_host_input(y), worker_error.numpy(), eo.numpy(), plan.offsets, plan.groups,
                            scales.numpy(), packed.numpy(), plan._part_idx, plan._part_val)

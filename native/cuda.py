@@ -33,9 +33,9 @@ import math
 import numpy as np
 import torch
 from numba import config as _config
-from numba import cuda, float64, int64, uint8
+from numba import cuda, float32, float64, int64, uint8
 
-from .cpu import _half_to_f32, make_tasks
+from .cpu import BLOCK, _half_to_f32, make_tasks
 
 TPB = 256
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
@@ -154,7 +154,138 @@ def _make_kernels(decode):
                     v = (v << 1) | bits_sh[tid * 8 + k]
                 packed[byte] = v
 
-    return sumsq_tasks, pack_update
+    @cuda.jit
+    def compress_fused(y, e, e_out, offsets, groups, scales, packed, part_val):
+        """The whole worker side in one pass over memory: one thread block per group of whole
+        segments (``cpu.make_groups``, at most ``BLOCK`` elements). z = y + e is read once into
+        shared memory; per segment the block sums z**2 in float64 (the order and tree of
+        ``sumsq_tasks`` over a one-task segment, so the scale is bitwise the two-pass kernels'),
+        then signs the segment and writes ``e_out <- z - scale*sign``. Bytes wholly inside the
+        group are written here; the group's head and tail bytes, which it may share with its
+        neighbours, go to ``part_val[g, 0/1]`` for :func:`merge_bytes`."""
+        z_sh = cuda.shared.array(BLOCK, dtype=float32)
+        bits_sh = cuda.shared.array(BLOCK + 16, dtype=uint8)
+        acc_sh = cuda.shared.array(TPB, dtype=float64)
+        s_sh = cuda.shared.array(1, dtype=float32)
+        g = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        s0 = groups[g, 0]
+        s1 = groups[g, 1]
+        lo = offsets[s0]
+        hi = offsets[s1]
+        base8 = (lo >> 3) << 3
+        ny = y.shape[0]
+        i = lo + tid
+        while i < hi:
+            z_sh[i - lo] = decode(y[i]) + e[i] if i < ny else e[i]
+            i += TPB
+        cuda.syncthreads()
+        for seg in range(s0, s1):
+            a = offsets[seg]
+            b = offsets[seg + 1]
+            acc = 0.0
+            i = a + tid
+            while i < b:
+                z64 = float64(z_sh[i - lo])
+                acc += z64 * z64
+                i += TPB
+            acc_sh[tid] = acc
+            cuda.syncthreads()
+            step = TPB // 2
+            while step > 0:
+                if tid < step:
+                    acc_sh[tid] += acc_sh[tid + step]
+                cuda.syncthreads()
+                step //= 2
+            if tid == 0:
+                scales[seg] = math.sqrt((0.0 + acc_sh[0]) / (b - a)) if a < b else 0.0
+                s_sh[0] = scales[seg]
+            cuda.syncthreads()
+            s = s_sh[0]
+            i = a + tid
+            while i < b:
+                z = z_sh[i - lo]
+                bit = 1 if z >= 0 else 0
+                bits_sh[i - base8] = bit
+                e_out[i] = z - s if bit else z + s
+                i += TPB
+            cuda.syncthreads()  # acc_sh and s_sh are the next segment's
+        lo8 = ((lo + 7) >> 3) << 3   # first byte wholly inside the group
+        hi8 = (hi >> 3) << 3         # end of the last byte wholly inside
+        q = tid
+        while lo8 + 8 * q < hi8:
+            r = lo8 - base8 + 8 * q
+            v = 0
+            for k in range(8):
+                v = (v << 1) | bits_sh[r + k]
+            packed[(lo8 >> 3) + q] = v
+            q += TPB
+        if tid == 0:
+            v = 0
+            if lo & 7:
+                for i in range(lo, min(hi, lo8)):
+                    v |= bits_sh[i - base8] << (7 - (i & 7))
+            part_val[g, 0] = v
+            v = 0
+            if hi & 7 and hi8 >= lo8:
+                for i in range(hi8, hi):
+                    v |= bits_sh[i - base8] << (7 - (i & 7))
+            part_val[g, 1] = v
+
+    @cuda.jit(device=True)
+    def padding_bits(y, e, i0, i1):
+        """The MSB-first bits of z = y + e (y reads 0 past its end) for i0 <= i < i1, one byte."""
+        ny = y.shape[0]
+        v = 0
+        for i in range(i0, i1):
+            z = (decode(y[i]) if i < ny else np.float32(0.0)) + e[i]
+            if z >= 0:
+                v |= 1 << (7 - (i & 7))
+        return v
+
+    @cuda.jit
+    def merge_bytes(y, e, bounds, numel, part_val, packed):
+        """One thread per group: the bytes that groups share, from their ``part_val``, and the
+        padding's bits. ``bounds[g]`` is group g's element range [lo, hi) in the buffers'
+        coordinates (consecutive, from 0 to ``numel``, the real elements). A shared byte is
+        written by the last group that reaches into it, which ORs in the pieces of the groups
+        before it; the last group also adds the padding's bits (sign of y + e, y reading 0 past
+        its end, as the CPU kernels) and writes the bytes wholly in the padding."""
+        g = cuda.grid(1)
+        ngroups = bounds.shape[0]
+        if g >= ngroups:
+            return
+        n_el = e.shape[0]
+        lo = bounds[g, 0]
+        hi = bounds[g, 1]
+        last = g == ngroups - 1
+        if lo & 7:
+            b = lo >> 3
+            if hi >= 8 * b + 8 or last:
+                v = part_val[g, 0]
+                h = g - 1
+                while h >= 0:
+                    hlo = bounds[h, 0]
+                    hhi = bounds[h, 1]
+                    if hhi <= 8 * b:
+                        break
+                    if hlo & 7 and (hlo >> 3) == b:
+                        v |= part_val[h, 0]
+                    if hhi & 7 and (hhi >> 3) == b:
+                        v |= part_val[h, 1]
+                    h -= 1
+                if last:
+                    v |= padding_bits(y, e, numel, min(n_el, 8 * b + 8))
+                packed[b] = v
+        if last:
+            lo8 = ((lo + 7) >> 3) << 3
+            if hi & 7 and ((hi >> 3) << 3) >= lo8:  # the group's own tail byte, with the padding's bits
+                b = hi >> 3
+                packed[b] = part_val[g, 1] | padding_bits(y, e, numel, min(n_el, 8 * b + 8))
+            for q in range((numel + 7) >> 3, n_el >> 3):
+                packed[q] = padding_bits(y, e, 8 * q, 8 * q + 8)
+
+    return sumsq_tasks, pack_update, compress_fused, merge_bytes
 
 
 _KERNELS = {}
@@ -198,6 +329,95 @@ def _server_average(recv, wscales, server_error, chunk_start, offsets):
             s = wscales[p, seg]
             acc = acc + (s if (recv[p, i >> 3] >> sh) & 1 else -s)
         server_error[i] = acc / np.float32(world_size) + server_error[i]
+
+
+@cuda.jit
+def _server_fused(recv, wscales, server_error, chunk_start, tasks, groups, scales, packed, part_val):
+    """The server side in one pass over the chunk: one thread block per group of tasks (pieces
+    of segments inside the chunk, each its own scale). Per task, the block forms
+    c = (sum_p ±wscale[p, seg]) / P + server_error in rank order (:func:`_server_average`'s
+    arithmetic), sums c**2 in float64 (``sumsq_tasks``' order and tree), and writes the signs
+    and ``server_error <- c - scale*sign``: bitwise the three two-pass kernels. Bytes wholly
+    inside the group are written here, its head and tail bytes go to ``part_val``."""
+    z_sh = cuda.shared.array(BLOCK, dtype=float32)
+    bits_sh = cuda.shared.array(BLOCK + 16, dtype=uint8)
+    acc_sh = cuda.shared.array(TPB, dtype=float64)
+    s_sh = cuda.shared.array(1, dtype=float32)
+    g = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    t0 = groups[g, 0]
+    t1 = groups[g, 1]
+    lo = tasks[t0, 1] - chunk_start
+    hi = tasks[t1 - 1, 2] - chunk_start
+    base8 = (lo >> 3) << 3
+    world_size = recv.shape[0]
+    for t in range(t0, t1):
+        seg = tasks[t, 0]
+        a = tasks[t, 1] - chunk_start
+        b = tasks[t, 2] - chunk_start
+        acc = 0.0
+        i = a + tid
+        while i < b:
+            sh = 7 - (i & 7)
+            c = np.float32(0.0)
+            for p in range(world_size):
+                w = wscales[p, seg]
+                c = c + (w if (recv[p, i >> 3] >> sh) & 1 else -w)
+            c = c / np.float32(world_size) + server_error[i]
+            z_sh[i - lo] = c
+            c64 = float64(c)
+            acc += c64 * c64
+            i += TPB
+        acc_sh[tid] = acc
+        cuda.syncthreads()
+        step = TPB // 2
+        while step > 0:
+            if tid < step:
+                acc_sh[tid] += acc_sh[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        if tid == 0:
+            scales[seg] = math.sqrt((0.0 + acc_sh[0]) / (b - a))
+            s_sh[0] = scales[seg]
+        cuda.syncthreads()
+        s = s_sh[0]
+        i = a + tid
+        while i < b:
+            z = z_sh[i - lo]
+            bit = 1 if z >= 0 else 0
+            bits_sh[i - base8] = bit
+            server_error[i] = z - s if bit else z + s
+            i += TPB
+        cuda.syncthreads()
+    lo8 = ((lo + 7) >> 3) << 3
+    hi8 = (hi >> 3) << 3
+    q = tid
+    while lo8 + 8 * q < hi8:
+        r = lo8 - base8 + 8 * q
+        v = 0
+        for k in range(8):
+            v = (v << 1) | bits_sh[r + k]
+        packed[(lo8 >> 3) + q] = v
+        q += TPB
+    if tid == 0:
+        v = 0
+        if lo & 7:
+            for i in range(lo, min(hi, lo8)):
+                v |= bits_sh[i - base8] << (7 - (i & 7))
+        part_val[g, 0] = v
+        v = 0
+        if hi & 7 and hi8 >= lo8:
+            for i in range(hi8, hi):
+                v |= bits_sh[i - base8] << (7 - (i & 7))
+        part_val[g, 1] = v
+
+
+@cuda.jit
+def _zero_scales_outside(offsets, lo, hi, scales):
+    """scales[s] = 0 for every segment with no element in [lo, hi) (as :func:`_reduce_scales`)."""
+    s = cuda.grid(1)
+    if s < scales.shape[0] and max(offsets[s], lo) >= min(offsets[s + 1], hi):
+        scales[s] = 0.0
 
 
 @cuda.jit(device=True)
@@ -280,6 +500,16 @@ def device_plan(plan, device) -> dict:
             "server_tasks": plan.server_tasks, "server_seg_ptr": seg_ptr(plan.server_tasks),
             "worker_partial": np.zeros(max(1, len(plan.worker_tasks))),
             "server_partial": np.zeros(max(1, len(plan.server_tasks)))}
+    if plan.groups is not None:  # the one-pass worker kernel's groups and their shared bytes
+        host["groups"] = plan.groups
+        host["group_bounds"] = plan.offsets[plan.groups].reshape(-1, 2)
+        host["part_val"] = np.zeros((max(1, len(plan.groups)), 2), dtype=np.uint8)
+    server_groups = plan.server_groups
+    if server_groups is not None:  # the one-pass server kernel's groups of tasks
+        host["server_groups"] = server_groups
+        host["server_bounds"] = np.stack([plan.server_tasks[server_groups[:, 0], 1],
+                                          plan.server_tasks[server_groups[:, 1] - 1, 2]], axis=1) - plan.chunk_start
+        host["server_part_val"] = np.zeros((len(server_groups), 2), dtype=np.uint8)
     if SIMULATOR:
         return {k: np.ascontiguousarray(v) for k, v in host.items()}
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in host.items()}
@@ -295,7 +525,7 @@ def _plan_arrays(plan, like: torch.Tensor) -> dict:
 def worker_scales(y, worker_error, plan, out):
     d = _plan_arrays(plan, worker_error)
     stream = _stream(worker_error)
-    sumsq, _ = _kernels(_kind(y))
+    sumsq = _kernels(_kind(y))[0]
     ntasks = len(plan.worker_tasks)
     if ntasks:
         sumsq[ntasks, TPB, stream](_arr(y), True, _arr(worker_error), 0, d["worker_tasks"], d["worker_partial"])
@@ -307,9 +537,23 @@ def worker_scales(y, worker_error, plan, out):
 def pack_update(y, e, base, plan, scales, packed, has_y=True, e_out=None):
     stream = _stream(e)
     d = _plan_arrays(plan, e)
-    _, pack = _kernels(_kind(y))
+    pack = _kernels(_kind(y))[1]
     eo = _arr(e) if e_out is None else _arr(e_out)
     pack[_grid(e.numel()), TPB, stream](_arr(y), has_y, _arr(e), eo, base, d["offsets"], _arr(scales), _arr(packed))
+    return packed
+
+
+def compress_fused(y, e, plan, scales, packed, e_out=None):
+    """The worker side in one pass (``plan.groups`` must not be None): scales, bits and the new
+    error into ``e_out`` (default ``e``), bitwise those of :func:`worker_scales` + :func:`pack_update`."""
+    stream = _stream(e)
+    d = _plan_arrays(plan, e)
+    fused, merge = _kernels(_kind(y))[2:]
+    ya, ea = _arr(y), _arr(e)
+    eo = ea if e_out is None else _arr(e_out)
+    ngroups = len(plan.groups)
+    fused[ngroups, TPB, stream](ya, ea, eo, d["offsets"], d["groups"], _arr(scales), _arr(packed), d["part_val"])
+    merge[_grid(ngroups), TPB, stream](ya, ea, d["group_bounds"], plan.numel, d["part_val"], _arr(packed))
     return packed
 
 
@@ -317,9 +561,30 @@ def server_reduce(recv, all_worker_scales, server_error, plan, packed, scales):
     stream = _stream(server_error)
     d = _plan_arrays(plan, server_error)
     se = _arr(server_error)
+    if "server_groups" in d:  # one pass over the chunk
+        ngroups = len(d["server_groups"])
+        pk, sc = _arr(packed), _arr(scales)
+        _server_fused[ngroups, TPB, stream](_arr(recv), _arr(all_worker_scales), se, plan.chunk_start,
+                                            d["server_tasks"], d["server_groups"], sc, pk, d["server_part_val"])
+        real = min(plan.numel, plan.chunk_start + plan.chunk_numel) - plan.chunk_start
+        merge = _kernels("f32")[3]
+        merge[_grid(ngroups), TPB, stream](_arr(torch.empty(0, device=server_error.device)), se, d["server_bounds"],
+                                           real, d["server_part_val"], pk)
+        _zero_scales_outside[_grid(plan.nseg), TPB, stream](d["offsets"], plan.chunk_start,
+                                                            plan.chunk_start + plan.chunk_numel, sc)
+        return packed, scales
+    return server_reduce_two_pass(recv, all_worker_scales, server_error, plan, packed, scales)
+
+
+def server_reduce_two_pass(recv, all_worker_scales, server_error, plan, packed, scales):
+    """:func:`server_reduce` as three kernels (average, sums of squares and scales, pack):
+    what serves chunks with a task longer than ``BLOCK``, and the one-pass kernel's oracle."""
+    stream = _stream(server_error)
+    d = _plan_arrays(plan, server_error)
+    se = _arr(server_error)
     _server_average[_grid(server_error.numel()), TPB, stream](_arr(recv), _arr(all_worker_scales), se,
                                                               plan.chunk_start, d["offsets"])
-    sumsq, pack = _kernels("f32")
+    sumsq, pack = _kernels("f32")[:2]
     ntasks = len(plan.server_tasks)
     if ntasks:
         sumsq[ntasks, TPB, stream](se, False, se, plan.chunk_start, d["server_tasks"], d["server_partial"])

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from numba import config, cuda
 
 from hvd_zoadam import native
 from hvd_zoadam.layout import segment_offsets
-from hvd_zoadam.native import reference
+from hvd_zoadam.native import cpu, reference
 from conftest import bucket_cases, server_inputs
 
 SIM = bool(config.ENABLE_CUDASIM)
@@ -74,6 +75,44 @@ def test_worker_side_matches_the_cpu_kernels(case, unpadded):
     assert torch.equal(gout.cpu()[:n], ce[:n]) and torch.equal(ge2.cpu(), e)
 
 
+def many_small_segments():
+    """Up to 30 segments of 1-40 elements: many groups, and many of their edges inside bytes."""
+    return bucket_cases(max_seg_numel=40, max_segs=30, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                        specials=(0.0, -0.0, 1e-40, 1.0))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=st.one_of(cases(), many_small_segments()), unpadded=st.booleans(),
+       block=st.sampled_from([1, 8, 13, 64, 4096]), separate_out=st.booleans())
+def test_one_pass_worker_kernel_is_bitwise_the_two_passes(case, unpadded, block, separate_out):
+    """cuda.compress_fused (one block per group of segments, shared bytes merged by a second
+    kernel) against the two CUDA passes: scales, bits and errors bit for bit. Groups of at most
+    ``block`` elements (at least the largest segment) put group edges inside bytes, several
+    tiny groups into one byte, and the padding's byte after an odd edge."""
+    numels, p, y, e, _ = case
+    n, big = sum(numels), y.numel()
+    offsets = segment_offsets(numels)
+    plan = native.Plan(offsets, big, p, 0)
+    plan.groups = cpu.make_groups(plan.offsets, max([block, *numels]))
+    plan._device.clear()
+    assume(plan.groups is not None and len(plan.groups))
+    y_in = dev(y[:n] if unpadded else y)
+    ge, two_scales, two_packed = dev(e.clone()), dev(torch.zeros(len(numels))), dev(torch.zeros(big // 8, dtype=torch.uint8))
+    kcuda.worker_scales(y_in, ge, plan, two_scales)
+    kcuda.pack_update(y_in, ge, 0, plan, two_scales, two_packed)
+    fe = dev(e.clone())
+    out = dev(torch.full((big,), 7.0)) if separate_out else None
+    scales, packed = dev(torch.full((len(numels),), -1.0)), dev(torch.full((big // 8,), 0xA5, dtype=torch.uint8))
+    kcuda.compress_fused(y_in, fe, plan, scales, packed, e_out=out)
+    assert torch.equal(scales.cpu(), two_scales.cpu())
+    assert torch.equal(packed.cpu(), two_packed.cpu())
+    if separate_out:  # the new error in the second buffer, its padding untouched, the input error kept
+        assert torch.equal(out.cpu()[:n], ge.cpu()[:n]) and bool((out.cpu()[n:] == 7.0).all())
+        assert torch.equal(fe.cpu(), e)
+    else:
+        assert torch.equal(fe.cpu(), ge.cpu())
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=cases(), rank_seed=st.integers(0, 7))
 def test_server_side_matches_the_cpu_kernels(case, rank_seed):
@@ -96,6 +135,38 @@ def test_server_side_matches_the_cpu_kernels(case, rank_seed):
     else:
         torch.testing.assert_close(gse.cpu(), cse, rtol=1e-5, atol=1e-6)
     assert gse.cpu()[real:].eq(0).all()
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=st.one_of(cases(), many_small_segments()), rank_seed=st.integers(0, 7),
+       block=st.sampled_from([1, 8, 13, 64, 4096]))
+def test_one_pass_server_kernel_is_bitwise_the_two_passes(case, rank_seed, block):
+    """cuda.server_reduce in one pass (a thread block per group of the chunk's tasks) against its
+    three-kernel form: scales (0 for segments outside the chunk), bits and the new server error
+    bit for bit, with group edges inside bytes and the chunk's padding after an odd edge."""
+    numels, p, y, _, gen = case
+    offsets = segment_offsets(numels)
+    big = y.numel()
+    chunk = big // p
+    rank = rank_seed % p
+    plan = native.Plan(offsets, big, p, rank)
+    tasks = plan.server_tasks
+    assume(len(tasks))
+    sizes = (tasks[:, 2] - tasks[:, 1]).tolist()
+    plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), max([block, *sizes]))
+    plan._device.clear()
+    assume(plan.server_groups is not None)
+    recv, wscales, se, real = server_inputs(gen, numels, big, p, rank)
+    two_se, one_se = dev(se.clone()), dev(se.clone())
+    two_pk, two_sc = kcuda.server_reduce_two_pass(dev(recv), dev(wscales), two_se, plan,
+                                                  dev(torch.zeros(chunk // 8, dtype=torch.uint8)),
+                                                  dev(torch.zeros(len(numels))))
+    one_pk, one_sc = kcuda.server_reduce(dev(recv), dev(wscales), one_se, plan,
+                                         dev(torch.full((chunk // 8,), 0xA5, dtype=torch.uint8)),
+                                         dev(torch.full((len(numels),), -1.0)))
+    assert torch.equal(one_sc.cpu(), two_sc.cpu())
+    assert torch.equal(one_pk.cpu(), two_pk.cpu())
+    assert torch.equal(one_se.cpu(), two_se.cpu())
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
