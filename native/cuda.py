@@ -35,7 +35,7 @@ import torch
 from numba import config as _config
 from numba import cuda, float32, float64, int64, uint8
 
-from .cpu import BLOCK, _half_to_f32, make_tasks
+from .cpu import BLOCK, _half_to_f32
 
 TPB = 256
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
@@ -93,6 +93,82 @@ def _walk(offsets, seg, j):
     return seg
 
 
+@cuda.jit(device=True)
+def _tree_sum(acc_sh, acc):
+    """The sum over the block of every thread's float64 ``acc``, by a fixed tree in shared memory
+    (``acc_sh``: float64[TPB]), the same order on every launch, so deterministic. Every thread
+    of the block must call it, and every thread gets the total."""
+    tid = cuda.threadIdx.x
+    acc_sh[tid] = acc
+    cuda.syncthreads()
+    step = TPB // 2
+    while step > 0:
+        if tid < step:
+            acc_sh[tid] += acc_sh[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = acc_sh[0]
+    cuda.syncthreads()  # every thread has read it before acc_sh is written again
+    return total
+
+
+@cuda.jit(device=True)
+def _segment_scale(acc_sh, s_sh, acc, count, scales, seg):
+    """``scales[seg]`` = sqrt(block sum of the float64 ``acc`` / ``count``) as float32 (0 when
+    ``count`` is 0), also returned to every thread (through ``s_sh``: float32[1])."""
+    total = _tree_sum(acc_sh, acc)
+    if cuda.threadIdx.x == 0:
+        scales[seg] = math.sqrt((0.0 + total) / count) if count > 0 else 0.0
+        s_sh[0] = scales[seg]
+    cuda.syncthreads()
+    return s_sh[0]
+
+
+@cuda.jit(device=True)
+def _sign_range(z_sh, lo, a, b, s, bits_sh, e_out):
+    """This thread's share of a <= i < b: the sign flag of z = ``z_sh[i - lo]`` (+0 and -0 give 1)
+    into ``bits_sh[i - lo // 8 * 8]`` and the new error z - s*sign into ``e_out[i]``."""
+    base8 = (lo >> 3) << 3
+    i = a + cuda.threadIdx.x
+    while i < b:
+        z = z_sh[i - lo]
+        bit = 1 if z >= 0 else 0
+        bits_sh[i - base8] = bit
+        e_out[i] = z - s if bit else z + s
+        i += TPB
+
+
+@cuda.jit(device=True)
+def _emit_group_bytes(bits_sh, lo, hi, packed, part_val, g):
+    """The bytes of group ``g``'s sign flags (``bits_sh[i - lo // 8 * 8]`` for lo <= i < hi):
+    those wholly inside [lo, hi) into ``packed`` (MSB first); the head and the tail byte, which
+    the group may share with its neighbours, into ``part_val[g, 0]`` and ``[g, 1]`` (0 where
+    none) for ``merge_bytes``. Every thread of the block must call it, after a syncthreads."""
+    tid = cuda.threadIdx.x
+    base8 = (lo >> 3) << 3
+    lo8 = ((lo + 7) >> 3) << 3   # first byte wholly inside the group
+    hi8 = (hi >> 3) << 3         # end of the last byte wholly inside
+    q = tid
+    while lo8 + 8 * q < hi8:
+        r = lo8 - base8 + 8 * q
+        v = 0
+        for k in range(8):
+            v = (v << 1) | bits_sh[r + k]
+        packed[(lo8 >> 3) + q] = v
+        q += TPB
+    if tid == 0:
+        v = 0
+        if lo & 7:
+            for i in range(lo, min(hi, lo8)):
+                v |= bits_sh[i - base8] << (7 - (i & 7))
+        part_val[g, 0] = v
+        v = 0
+        if hi & 7 and hi8 >= lo8:
+            for i in range(hi8, hi):
+                v |= bits_sh[i - base8] << (7 - (i & 7))
+        part_val[g, 1] = v
+
+
 # -- kernels, one set per input dtype -------------------------------------------------------
 
 def _make_kernels(decode):
@@ -113,16 +189,9 @@ def _make_kernels(decode):
             z64 = float64(z)
             acc += z64 * z64
             i += TPB
-        acc_sh[tid] = acc
-        cuda.syncthreads()
-        step = TPB // 2
-        while step > 0:
-            if tid < step:
-                acc_sh[tid] += acc_sh[tid + step]
-            cuda.syncthreads()
-            step //= 2
+        total = _tree_sum(acc_sh, acc)
         if tid == 0:
-            partial[t] = acc_sh[0]
+            partial[t] = total
 
     @cuda.jit
     def pack_update(y, has_y, e, e_out, base, offsets, scales, packed):
@@ -173,7 +242,6 @@ def _make_kernels(decode):
         s1 = groups[g, 1]
         lo = offsets[s0]
         hi = offsets[s1]
-        base8 = (lo >> 3) << 3
         ny = y.shape[0]
         i = lo + tid
         while i < hi:
@@ -189,48 +257,10 @@ def _make_kernels(decode):
                 z64 = float64(z_sh[i - lo])
                 acc += z64 * z64
                 i += TPB
-            acc_sh[tid] = acc
-            cuda.syncthreads()
-            step = TPB // 2
-            while step > 0:
-                if tid < step:
-                    acc_sh[tid] += acc_sh[tid + step]
-                cuda.syncthreads()
-                step //= 2
-            if tid == 0:
-                scales[seg] = math.sqrt((0.0 + acc_sh[0]) / (b - a)) if a < b else 0.0
-                s_sh[0] = scales[seg]
-            cuda.syncthreads()
-            s = s_sh[0]
-            i = a + tid
-            while i < b:
-                z = z_sh[i - lo]
-                bit = 1 if z >= 0 else 0
-                bits_sh[i - base8] = bit
-                e_out[i] = z - s if bit else z + s
-                i += TPB
-            cuda.syncthreads()  # acc_sh and s_sh are the next segment's
-        lo8 = ((lo + 7) >> 3) << 3   # first byte wholly inside the group
-        hi8 = (hi >> 3) << 3         # end of the last byte wholly inside
-        q = tid
-        while lo8 + 8 * q < hi8:
-            r = lo8 - base8 + 8 * q
-            v = 0
-            for k in range(8):
-                v = (v << 1) | bits_sh[r + k]
-            packed[(lo8 >> 3) + q] = v
-            q += TPB
-        if tid == 0:
-            v = 0
-            if lo & 7:
-                for i in range(lo, min(hi, lo8)):
-                    v |= bits_sh[i - base8] << (7 - (i & 7))
-            part_val[g, 0] = v
-            v = 0
-            if hi & 7 and hi8 >= lo8:
-                for i in range(hi8, hi):
-                    v |= bits_sh[i - base8] << (7 - (i & 7))
-            part_val[g, 1] = v
+            s = _segment_scale(acc_sh, s_sh, acc, b - a, scales, seg)
+            _sign_range(z_sh, lo, a, b, s, bits_sh, e_out)
+            cuda.syncthreads()  # s_sh is the next segment's
+        _emit_group_bytes(bits_sh, lo, hi, packed, part_val, g)
 
     @cuda.jit(device=True)
     def padding_bits(y, e, i0, i1):
@@ -349,7 +379,6 @@ def _server_fused(recv, wscales, server_error, chunk_start, tasks, groups, scale
     t1 = groups[g, 1]
     lo = tasks[t0, 1] - chunk_start
     hi = tasks[t1 - 1, 2] - chunk_start
-    base8 = (lo >> 3) << 3
     world_size = recv.shape[0]
     for t in range(t0, t1):
         seg = tasks[t, 0]
@@ -368,48 +397,10 @@ def _server_fused(recv, wscales, server_error, chunk_start, tasks, groups, scale
             c64 = float64(c)
             acc += c64 * c64
             i += TPB
-        acc_sh[tid] = acc
-        cuda.syncthreads()
-        step = TPB // 2
-        while step > 0:
-            if tid < step:
-                acc_sh[tid] += acc_sh[tid + step]
-            cuda.syncthreads()
-            step //= 2
-        if tid == 0:
-            scales[seg] = math.sqrt((0.0 + acc_sh[0]) / (b - a))
-            s_sh[0] = scales[seg]
-        cuda.syncthreads()
-        s = s_sh[0]
-        i = a + tid
-        while i < b:
-            z = z_sh[i - lo]
-            bit = 1 if z >= 0 else 0
-            bits_sh[i - base8] = bit
-            server_error[i] = z - s if bit else z + s
-            i += TPB
-        cuda.syncthreads()
-    lo8 = ((lo + 7) >> 3) << 3
-    hi8 = (hi >> 3) << 3
-    q = tid
-    while lo8 + 8 * q < hi8:
-        r = lo8 - base8 + 8 * q
-        v = 0
-        for k in range(8):
-            v = (v << 1) | bits_sh[r + k]
-        packed[(lo8 >> 3) + q] = v
-        q += TPB
-    if tid == 0:
-        v = 0
-        if lo & 7:
-            for i in range(lo, min(hi, lo8)):
-                v |= bits_sh[i - base8] << (7 - (i & 7))
-        part_val[g, 0] = v
-        v = 0
-        if hi & 7 and hi8 >= lo8:
-            for i in range(hi8, hi):
-                v |= bits_sh[i - base8] << (7 - (i & 7))
-        part_val[g, 1] = v
+        s = _segment_scale(acc_sh, s_sh, acc, b - a, scales, seg)
+        _sign_range(z_sh, lo, a, b, s, bits_sh, server_error)
+        cuda.syncthreads()  # s_sh is the next task's
+    _emit_group_bytes(bits_sh, lo, hi, packed, part_val, g)
 
 
 @cuda.jit

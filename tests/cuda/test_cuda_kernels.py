@@ -113,16 +113,19 @@ def test_one_pass_worker_kernel_is_bitwise_the_two_passes(case, unpadded, block,
         assert torch.equal(fe.cpu(), ge.cpu())
 
 
+def server_case(case, rank_seed):
+    """(numels, chunk, plan, recv, worker scales, server_error, real count) for a drawn bucket and rank."""
+    numels, p, y, _, gen = case
+    big = y.numel()
+    rank = rank_seed % p
+    plan = native.Plan(segment_offsets(numels), big, p, rank)
+    return (numels, big // p, plan, *server_inputs(gen, numels, big, p, rank))
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(case=cases(), rank_seed=st.integers(0, 7))
 def test_server_side_matches_the_cpu_kernels(case, rank_seed):
-    numels, p, y, _, gen = case
-    offsets = segment_offsets(numels)
-    big = y.numel()
-    chunk = big // p
-    rank = rank_seed % p
-    plan = native.Plan(offsets, big, p, rank)
-    recv, wscales, se, real = server_inputs(gen, numels, big, p, rank)
+    numels, chunk, plan, recv, wscales, se, real = server_case(case, rank_seed)
     cse, gse = se.clone(), dev(se.clone())
     cpk, csc = native.server_reduce(recv, wscales, cse, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
                                     torch.zeros(len(numels)))
@@ -144,19 +147,13 @@ def test_one_pass_server_kernel_is_bitwise_the_two_passes(case, rank_seed, block
     """cuda.server_reduce in one pass (a thread block per group of the chunk's tasks) against its
     three-kernel form: scales (0 for segments outside the chunk), bits and the new server error
     bit for bit, with group edges inside bytes and the chunk's padding after an odd edge."""
-    numels, p, y, _, gen = case
-    offsets = segment_offsets(numels)
-    big = y.numel()
-    chunk = big // p
-    rank = rank_seed % p
-    plan = native.Plan(offsets, big, p, rank)
+    numels, chunk, plan, recv, wscales, se, real = server_case(case, rank_seed)
     tasks = plan.server_tasks
     assume(len(tasks))
     sizes = (tasks[:, 2] - tasks[:, 1]).tolist()
     plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), max([block, *sizes]))
     plan._device.clear()
     assume(plan.server_groups is not None)
-    recv, wscales, se, real = server_inputs(gen, numels, big, p, rank)
     two_se, one_se = dev(se.clone()), dev(se.clone())
     two_pk, two_sc = kcuda.server_reduce_two_pass(dev(recv), dev(wscales), two_se, plan,
                                                   dev(torch.zeros(chunk // 8, dtype=torch.uint8)),
