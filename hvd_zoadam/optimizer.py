@@ -360,6 +360,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         for started in early["handles"].values():
             for handle, _, _ in started:
                 self.transport.wait(handle)
+        for handle in early["scales"].values():
+            self.transport.wait(handle)
 
     # -- overlap with the backward pass --------------------------------------------------------
     @property
@@ -376,13 +378,15 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 and self._pending is None and getattr(self, "_ready", False))
 
     def _launch_ready(self) -> None:
-        """Start the coming VARIANCE step's allreduces for every bucket whose gradients are all
-        ready, in launch order. Other kinds start nothing early: a COMPRESSED step's round 1
-        carries a few scales per bucket, and its big rounds 2–3 need every rank's round 1
-        first; local steps send nothing; a SYNC step sends the update made in step()."""
+        """Start the coming step's exchange for every bucket whose gradients are all ready, in
+        launch order: a VARIANCE step's allreduces; a COMPRESSED step's worker side (scales,
+        signs, the staged error) and round 1 (the scales' allgather), whose rounds 2–3 then
+        run in synchronize(), once every rank's round 1 is in. Local steps send nothing; a
+        SYNC step sends the update made in step(), so it starts nothing early."""
         if self._early is None:
             step, kind = self._next_kind()
-            self._early = {"step": step, "kind": kind if kind is StepKind.VARIANCE else None, "handles": {}}
+            early_kind = kind if kind in (StepKind.VARIANCE, StepKind.COMPRESSED) else None
+            self._early = {"step": step, "kind": early_kind, "handles": {}, "scales": {}, "pre": {}}
         early = self._early
         if early["kind"] is None:
             return
@@ -401,7 +405,19 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         # backward() (e.g. clipped without synchronize()) is not silently left out.
         early.setdefault("seen", {})[bi] = [(p.grad, p.grad._version if p.grad is not None else None)
                                             for p in b.params]
-        early["handles"][bi] = self._start_average(b, copy=True)
+        if early["kind"] is StepKind.VARIANCE:
+            early["handles"][bi] = self._start_average(b, copy=True)
+        else:
+            early["scales"][bi] = self._start_compressed(bi, early["step"], early["pre"])
+
+    def _start_compressed(self, bi: int, step: int, pre: dict):
+        """Fill bucket ``bi``'s exchange input for a COMPRESSED step (``pre`` caches the
+        preconditioning by bucket index) and start round 1. Returns round 1's handle."""
+        b = self._buckets[bi]
+        if bi not in pre:
+            pre[bi] = self._compress_denom(b, step)
+        self._fill_compressed(b, b.exchange.input, step, pre[bi] or False)
+        return b.exchange.start_scales(b.exchange.input)
 
     # -- per-step helpers --------------------------------------------------------------------
     @property
@@ -549,7 +565,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self.on_reset()
             self._passes.update(passes)
         step, kind = self._next_kind()
-        armed = kind is StepKind.VARIANCE and self._can_overlap()  # the same on every rank
+        armed = kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self._can_overlap()  # the same on every rank
         self._check_params_unchanged()
         if not self._checked_layout:
             self._check_layout()
@@ -557,7 +573,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self._drain_early()  # the schedule moved under us (a load between backward and step)
         if armed:
             self.transport.counter.kind = kind.value
-            self._early_changed_anywhere(step)
+            self._early_changed_anywhere(step, kind)
         skip = False
         self._exchanged = kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self.world_size > 1
         if self._exchanged:
@@ -571,12 +587,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def _fp16_wire(self) -> bool:
         return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
 
-    def _early_changed_anywhere(self, step: int) -> bool:
-        """Whether some rank's gradients changed after the hooks started their allreduce
-        (e.g. clipped without synchronize()). One 4-byte allreduce, on every VARIANCE step
-        where overlap is armed (a rank-independent condition), so all ranks agree; True
-        means the early results are dropped and the step exchanges the gradients as they
-        are now, like overlap=False."""
+    def _early_changed_anywhere(self, step: int, kind: StepKind) -> bool:
+        """Whether some rank's gradients changed after the hooks started their exchange
+        (e.g. clipped without synchronize()). One 4-byte allreduce, on every VARIANCE and
+        COMPRESSED step where overlap is armed (a rank-independent condition), so all ranks
+        agree; True means the early results are dropped and the step exchanges the gradients
+        as they are now, like overlap=False (a COMPRESSED step's early worker side only
+        staged its error: ``worker_error`` is untouched until round 2)."""
         changed = 0.0
         for bi, seen in (self._early or {}).get("seen", {}).items():
             b = self._buckets[bi]
@@ -589,17 +606,24 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         # Every rank completes the early allreduces of every bucket once (starting, with its
         # current gradients, the ones its hooks did not start), so the names pair up; the
         # results are dropped and the step then exchanges the current gradients.
-        early = self._early or {"handles": {}}
+        early = self._early or {"handles": {}, "scales": {}, "pre": {}}
         for bi in self._launch_order:
-            started = early["handles"].pop(bi, None)
-            if started is None:
-                started = self._start_average(self._buckets[bi], copy=True)
-            for handle, _, _ in started:
+            b = self._buckets[bi]
+            if kind is StepKind.VARIANCE:
+                started = early["handles"].pop(bi, None)
+                if started is None:
+                    started = self._start_average(b, copy=True)
+                for handle, _, _ in started:
+                    self.transport.wait(handle)
+            else:
+                handle = early["scales"].pop(bi, None)
+                if handle is None:
+                    handle = self._start_compressed(bi, step, early["pre"])
                 self.transport.wait(handle)
         self._early = None
         if not self._warned_changed:
             self._warned_changed = True
-            warnings.warn("hvd_zoadam: gradients changed after backward() had already started their allreduce "
+            warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
                           "(overlap with the backward pass, as in hvd.DistributedOptimizer); the step exchanges "
                           "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
                           "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
@@ -671,7 +695,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             ok = self._finish_average(self._buckets[bi], started[bi]) and ok
         return ok
 
-    def _exchange_all(self, buckets, fill, consume, consume_packed=None) -> bool:
+    def _exchange_all(self, buckets, fill, consume, consume_packed=None, started=None) -> bool:
         """C(.) of every bucket in ``buckets``, in order. Returns False when skipped.
 
         ``fill(bucket, buf)`` writes the input into the padded scratch ``buf``;
@@ -681,7 +705,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         first, so a non-finite input anywhere skips every bucket before any error buffer
         changes (spec §5). At P > 1 each bucket is filled once, into its exchange's own input
         buffer, which the worker side turns into the new error; at P = 1 with several buckets
-        the shared scratch is filled again for the second phase (bitwise alike).
+        the shared scratch is filled again for the second phase (bitwise alike). ``started``
+        (P > 1) maps ``id(bucket)`` to a round 1 the backward hooks already started from the
+        bucket's exchange input; those buckets are not filled again.
         """
         g, w = self._scratch["g"], self._scratch["w"]
         if self.world_size == 1 and len(buckets) == 1:  # C(y) = y: fill once, hand y itself over
@@ -711,6 +737,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         # computed. Round 1 of every bucket completes before any error buffer changes.
         handles = {}
         for b in buckets:
+            if started and id(b) in started:
+                handles[id(b)] = started[id(b)]
+                continue
             fill(b, b.exchange.input)
             handles[id(b)] = b.exchange.start_scales(b.exchange.input)
         prepared = [b.exchange.wait_scales(handles[id(b)]) for b in buckets]
@@ -753,7 +782,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         coordinate whose gradient appears after v was last updated cannot blow up the scale of
         its block (README: "Compression domain").
         """
-        pre = {id(b): self._compress_denom(b, step) for b in self._buckets}
+        early = self._early if (self._early and self._early.get("kind") is StepKind.COMPRESSED) else None
+        cached = early["pre"] if early is not None else {}
+        pre = {id(b): cached[bi] if bi in cached else self._compress_denom(b, step)
+               for bi, b in enumerate(self._buckets)}
+        started = {id(self._buckets[bi]): handle for bi, handle in early["scales"].items()} if early else {}
+        if early is not None:
+            early["scales"] = {}
 
         def fill(b, buf):
             self._fill_compressed(b, buf, step, pre[id(b)] or False)
@@ -766,7 +801,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 w.mul_(mask)
                 b.exchange.mask_errors(mask)
             self._write_grads(b, w)
-        return self._exchange_all(self._buckets, fill, consume)
+        # In launch order, as the hooks start them (MPI pairs collectives by their order).
+        return self._exchange_all([self._buckets[bi] for bi in self._launch_order], fill, consume, started=started)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -161,22 +161,31 @@ def test_half_precision_models_train_with_fp32_internals(dtype):
         assert all(torch.equal(a, b) for a, b in zip(params_h, half[0][1]))  # step 10 is a SYNC step
 
 
-def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step():
-    """With overlap (the default) the hooks start a VARIANCE step's allreduce during backward().
-    A gradient clipped afterwards without synchronize() on ONE rank is not silently left out:
-    the ranks agree, drop the early result, exchange the clipped gradients (bitwise as with
-    overlap=False) and warn once, naming the fix. Horovod's pattern (synchronize, clip,
-    skip_synchronize) needs no second exchange."""
+@pytest.mark.parametrize("scaler", [10 ** 6, 1], ids=["variance", "variance+compressed"])
+def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step(scaler):
+    """With overlap (the default) the hooks start a VARIANCE step's allreduce, and a COMPRESSED
+    step's worker side and round 1, during backward(). A gradient clipped afterwards without
+    synchronize() on ONE rank is not silently left out: the ranks agree, drop the early result,
+    exchange the clipped gradients (bitwise as with overlap=False) and warn once, naming the
+    fix. Horovod's pattern (synchronize, clip, skip_synchronize) needs no second exchange."""
+    kinds = [hvd_zoadam.Schedule(var_freeze_step=100, var_update_scaler=scaler, local_step_scaler=32768,
+                                 local_step_clipper=16).kind(t) for t in range(1, 6)]
+    n_var, n_comp = kinds.count(StepKind.VARIANCE), kinds.count(StepKind.COMPRESSED)
+    assert kinds[0] is StepKind.VARIANCE and n_comp == (2 if scaler == 1 else 0)
+
     def body(rank, transport, overlap, pattern):
         model = common.mlp()
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
                                               transport=transport, overlap=overlap, var_freeze_step=100,
-                                              var_update_scaler=10 ** 6)
+                                              var_update_scaler=scaler)
+        during_backward = []  # COMPRESSED rounds started by the hooks, per step
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for t in range(1, 6):
                 opt.zero_grad()
+                before = opt.transport.counter.rounds["compressed"]  # comm_stats() is updated by step()
                 common.loss_fn(model, t, rank).backward()
+                during_backward.append(opt.transport.counter.rounds["compressed"] - before)
                 if pattern == "horovod":
                     opt.synchronize()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
@@ -186,8 +195,9 @@ def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step():
                     if rank == 1:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
                     opt.step()
+        stats = opt.comm_stats()
         return ([q.detach().clone() for q in model.parameters()], [str(w.message) for w in caught],
-                opt.comm_stats()["variance"], opt._warned_changed)
+                stats["variance"], opt._warned_changed, stats["compressed"], len(opt._buckets), during_backward)
     late = run_threads(2, lambda r, tr: body(r, tr, True, "late"))
     plain = run_threads(2, lambda r, tr: body(r, tr, False, "late"))
     # (warnings.catch_warnings is process-wide: the two thread-ranks' records mix)
@@ -196,9 +206,19 @@ def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step():
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(late[r][0], plain[r][0]))
         assert late[r][3] is True  # both ranks redid the exchange and warned
-        assert late[r][2]["rounds"] == 1 + 4 * 3  # step 1; then a flag, the early round and the redo
-        assert plain[r][2]["rounds"] == 5
+        # step 1; then per VARIANCE step a flag, the early round and the redo
+        assert late[r][2]["rounds"] == 1 + (n_var - 1) * 3
+        assert plain[r][2]["rounds"] == n_var
+        # per COMPRESSED step a flag, each bucket's early round 1, and each bucket's three rounds again
+        nb = late[r][5]
+        assert late[r][4]["rounds"] == n_comp * (1 + nb + 3 * nb)
+        assert plain[r][4]["rounds"] == n_comp * 3 * nb
     hvd_pattern = run_threads(2, lambda r, tr: body(r, tr, True, "horovod"))
     for r in range(2):
         assert not any("changed after backward()" in w for w in hvd_pattern[r][1]) and not hvd_pattern[r][3]
-        assert hvd_pattern[r][2]["rounds"] == 1 + 4 * 2  # the early allreduce and the flag
+        assert hvd_pattern[r][2]["rounds"] == 1 + (n_var - 1) * 2  # the early allreduce and the flag
+        nb = hvd_pattern[r][5]
+        assert hvd_pattern[r][4]["rounds"] == n_comp * (1 + 3 * nb)  # the flag and three rounds per bucket
+        # round 1 of every bucket of a COMPRESSED step started inside backward(); nothing without overlap
+        assert hvd_pattern[r][6] == [nb if k is StepKind.COMPRESSED else 0 for k in kinds]
+        assert plain[r][6] == [0] * 5
