@@ -447,7 +447,9 @@ def main(argv=None) -> int:
     net.add_argument("--rate", action="append", default=None,
                      help="link rate, e.g. 100mbit or 1gbit; repeat for several (default: 100mbit and 1gbit)")
     net.add_argument("--ranks", type=int, default=2)
-    net.add_argument("--steps", type=int, default=100)
+    net.add_argument("--steps", type=int, default=300,
+                     help="training steps per system (300: about 55 minutes for both default rates; the "
+                          "12-step warm-up's full-precision steps weigh on shorter runs, see the README)")
     net.add_argument("--warmup", type=int, default=12, help="LR warm-up steps; also 0/1 Adam's freeze, PowerSGD's "
                                                             "and post-local SGD's start")
     net.add_argument("--skip", type=int, default=3, help="untimed first steps")
