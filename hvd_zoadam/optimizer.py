@@ -162,6 +162,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._uid = self._collective_prefix()
         self._user_masks = self._resolve_masks(exp_avg_mask)
         self._buckets: list[_Bucket] = []
+        self._device = None  # the one device of every trainable parameter (CPU or one CUDA device)
         self._scratch = {}
         self._hook_handles = []
         self._passes = {}
@@ -272,15 +273,20 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if not p.is_floating_point():
                 raise TypeError(f"parameter {self._names.get(p)!r} has dtype {p.dtype}; 0/1 Adam needs "
                                 "floating-point parameters")
-            if p.device.type != "cpu":
-                raise NotImplementedError(
-                    f"parameter {self._names.get(p)!r} is on {p.device}: this release of hvd_zoadam's optimizer "
-                    "runs on CPU tensors only (the CUDA compressor kernels exist in hvd_zoadam.native, but the "
-                    "optimizer's buffers and exchange are not yet device-aware); move the model to the CPU")
-        by_device = {}
+            if p.device.type not in ("cpu", "cuda"):
+                raise TypeError(f"parameter {self._names.get(p)!r} is on {p.device}: hvd_zoadam runs on CPU and "
+                                "CUDA tensors; move the model to a CUDA device or to the CPU")
+            if self._device is None:
+                self._device, self._device_param = p.device, self._names.get(p)
+            elif p.device != self._device:
+                raise ValueError(f"parameter {self._names.get(p)!r} is on {p.device} but parameter "
+                                 f"{self._device_param!r} is on {self._device}: hvd_zoadam needs every trainable "
+                                 "parameter of a rank on one device, as Horovod does (torch.cuda.set_device("
+                                 "hvd.local_rank()), then model.cuda())")
+        by_dtype = {}
         for p in trainable:
-            by_device.setdefault((p.device, p.dtype), []).append(p)
-        for params in by_device.values():
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
             for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
                 self._add_bucket(index, [params[i] for i in idx])
         for p in trainable:
@@ -296,16 +302,17 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._ready_count.append(0)
         numels = [p.numel() for p in params]
         name = f"zoadam.{self._uid}.b{len(self._buckets)}"
-        exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport, name)
+        dev = self._device
+        exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport, name, device=dev)
         n = exchange.numel
         bucket = _Bucket(group_index, params, [self._names[p] for p in params], exchange,
-                         torch.zeros(n), torch.zeros(n), torch.zeros(n))
+                         torch.zeros(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev))
         if params[0].dtype != torch.float32:
             bucket.master = torch.cat([p.detach().reshape(-1).float() for p in params])
         keys = ["exp_avg", "exp_avg_sq", "anchor"]
         if any(p in self._user_masks for p in params):
-            bucket.mask = torch.cat([self._user_masks[p].reshape(-1).to(torch.uint8) if p in self._user_masks
-                                     else torch.ones(p.numel(), dtype=torch.uint8) for p in params])
+            bucket.mask = torch.cat([self._user_masks[p].reshape(-1).to(dev, torch.uint8) if p in self._user_masks
+                                     else torch.ones(p.numel(), dtype=torch.uint8, device=dev) for p in params])
             keys.append("mask")
         for key in keys:
             flat = getattr(bucket, key)
@@ -317,7 +324,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._buckets.append(bucket)
         for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
             if self._scratch.get(key, torch.empty(0)).numel() < size:
-                self._scratch[key] = torch.zeros(size)
+                self._scratch[key] = torch.zeros(size, device=dev)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch semantics). Its params get new, zeroed buffers and unique names."""
@@ -544,9 +551,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         for i, b in enumerate(self._buckets):
             numels = [p.numel() for p in b.params]
             b.exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport,
-                                  f"zoadam.{self._uid}.b{i}")
+                                  f"zoadam.{self._uid}.b{i}", device=self._device)
             if self._scratch["g"].numel() < b.exchange.padded_numel:
-                self._scratch["g"] = torch.zeros(b.exchange.padded_numel)
+                self._scratch["g"] = torch.zeros(b.exchange.padded_numel, device=self._device)
         self._checked_layout = False
         self._pending = None
         self._synchronized = False
@@ -950,7 +957,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """A reusable float32 buffer for a denominator used at once (not kept across buckets)."""
         d = self._scratch.get("d")
         if d is None or d.numel() < numel:
-            d = self._scratch["d"] = torch.empty(max(numel, max(b.numel for b in self._buckets)))
+            d = self._scratch["d"] = torch.empty(max(numel, max(b.numel for b in self._buckets)), device=self._device)
         return d[:numel]
 
     def _local_update(self, b: _Bucket, h: kinds.Hyper, denom) -> torch.Tensor:

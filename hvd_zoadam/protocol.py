@@ -41,6 +41,9 @@ class Exchange:
         transport: the collectives; fixes the world size P and the rank.
         name: a rank-independent, job-unique prefix for the collective names.
         worker_error, server_error: float32 buffers to use (default: new zeros).
+        device: where the buffers live (default: ``worker_error``'s device, else the CPU);
+            ``y`` and the exchange's messages are on it too. CUDA tensors go to the CUDA
+            kernels and to the transport as they are.
 
     Attributes:
         worker_error: float32[padded_numel], e_w.
@@ -56,7 +59,11 @@ class Exchange:
             tensor after each exchange that is not skipped.
     """
 
-    def __init__(self, numels, transport: Transport, name: str, worker_error=None, server_error=None):
+    def __init__(self, numels, transport: Transport, name: str, worker_error=None, server_error=None,
+                 device=None):
+        if device is None:
+            device = worker_error.device if worker_error is not None else torch.device("cpu")
+        self.device = device = torch.device(device)
         self.transport = transport
         self.name = name
         p, r = transport.world_size, transport.rank
@@ -66,17 +73,17 @@ class Exchange:
         self.chunk_numel = self.padded_numel // p
         self.nseg = len(self.offsets) - 1
         self.plan = native.Plan(self.offsets, self.padded_numel, p, r)
-        self.worker_error = torch.zeros(self.padded_numel) if worker_error is None else worker_error
-        self.server_error = torch.zeros(self.chunk_numel) if server_error is None else server_error
+        self.worker_error = torch.zeros(self.padded_numel, device=device) if worker_error is None else worker_error
+        self.server_error = torch.zeros(self.chunk_numel, device=device) if server_error is None else server_error
         # P > 1: the input buffer doubles as the new worker error (see the class docstring)
-        self.input = torch.zeros(self.padded_numel) if p > 1 else None
+        self.input = torch.zeros(self.padded_numel, device=device) if p > 1 else None
         self._next = None       # the new worker error when y is not self.input (made on first use)
         self._staged = None     # where the current exchange put the new worker error
-        self._scales = torch.zeros(self.nseg, dtype=torch.float32)
-        self._packed = torch.zeros(self.padded_numel // 8, dtype=torch.uint8)
+        self._scales = torch.zeros(self.nseg, dtype=torch.float32, device=device)
+        self._packed = torch.zeros(self.padded_numel // 8, dtype=torch.uint8, device=device)
         nbytes = self.chunk_numel // 8
         # Round 3 message: [server scales as bytes | packed chunk], scales first for alignment.
-        self._server_msg = torch.zeros(4 * self.nseg + nbytes, dtype=torch.uint8)
+        self._server_msg = torch.zeros(4 * self.nseg + nbytes, dtype=torch.uint8, device=device)
         self._server_scales = self._server_msg[:4 * self.nseg].view(torch.float32)
         self._server_packed = self._server_msg[4 * self.nseg:]
 
@@ -127,7 +134,7 @@ class Exchange:
             staged = y
         else:
             if self._next is None:
-                self._next = torch.zeros(self.padded_numel)
+                self._next = torch.zeros(self.padded_numel, device=self.device)
             staged = self._next
         native.worker_compress(y, self.worker_error, self.plan, self._scales, self._packed, error_out=staged)
         self._staged = staged
@@ -178,8 +185,8 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
     Every rank of the process set must call it with a tensor of the same shape.
 
     Args:
-        tensor: y, any shape; float32, float16 or bfloat16, CPU.
-        worker_error: float32[padded_numel(n, P)], e_w, updated in place.
+        tensor: y, any shape; float32, float16 or bfloat16; on the CPU or a CUDA device.
+        worker_error: float32[padded_numel(n, P)], e_w, updated in place, on ``tensor``'s device.
         server_error: float32[padded_numel(n, P) // P], e_s, updated in place.
         process_set: a Horovod process set (default: the global one).
         transport: ``"auto"``/``"horovod"`` (Horovod's collectives), or a
@@ -192,7 +199,7 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         ``tensor`` and the error buffers are untouched.
 
     Raises:
-        ValueError/TypeError: wrong buffer sizes or dtypes.
+        ValueError/TypeError: wrong buffer sizes, dtypes or devices.
         NonFiniteError: a NaN/Inf reached the exchange on some rank; raised on every
             rank together, with both error buffers untouched.
     """
@@ -208,6 +215,10 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         if buf.numel() != want or not buf.is_contiguous():
             raise ValueError(f"{label} must be contiguous with {want} elements (padded_numel({n}, {p})"
                              f"{' // ' + str(p) if label == 'server_error' else ''}), got {buf.numel()}")
+    for buf, label in ((worker_error, "worker_error"), (server_error, "server_error")):
+        if buf.device != tensor.device:
+            raise ValueError(f"{label} is on {buf.device} but the tensor is on {tensor.device}; "
+                             "allocate the error buffers on the tensor's device")
     if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"compressed_allreduce supports float32, float16 and bfloat16 tensors, got {tensor.dtype}")
     if n == 0:
@@ -215,14 +226,14 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
     if name is None:  # numbered per rank, so thread-ranks sharing this process pair up too
         count = compressed_allreduce.calls[t.rank] = compressed_allreduce.calls.get(t.rank, 0) + 1
         name = f"zoadam.car.{count}"
-    ex = Exchange([n], t, name, worker_error.view(-1), server_error.view(-1))
-    y = ex.input if ex.input is not None else torch.zeros(ex.padded_numel, dtype=torch.float32)
+    ex = Exchange([n], t, name, worker_error.view(-1), server_error.view(-1), device=tensor.device)
+    y = ex.input if ex.input is not None else torch.zeros(ex.padded_numel, dtype=torch.float32, device=tensor.device)
     y[:n].copy_(tensor.reshape(-1))
     scales = ex.prepare(y)
     if scales is None:
         raise NonFiniteError(f"compressed_allreduce({name}): a non-finite value reached the exchange on "
                              "some rank; no error buffer was changed")
-    out = ex.finish(y, scales, torch.empty(n, dtype=torch.float32))
+    out = ex.finish(y, scales, torch.empty(n, dtype=torch.float32, device=tensor.device))
     if ex.worker_error.data_ptr() != worker_error.data_ptr():
         worker_error.view(-1).copy_(ex.worker_error)  # the caller's buffer is updated in place
     return out.view(tensor.shape).to(tensor.dtype)

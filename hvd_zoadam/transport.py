@@ -335,6 +335,9 @@ class MPITransport(HorovodTransport):
         if self.cuda_aware is None:
             self.cuda_aware = mpi_cuda_aware()
         if self.cuda_aware:
+            # MPI reads device memory outside torch's streams: the kernels that wrote the
+            # buffer (queued on the current stream) must have finished first.
+            torch.cuda.current_stream(tensor.device).synchronize()
             return tensor, None
         buf = self._pinned.get(key)
         if buf is None or buf.numel() < tensor.numel() or buf.dtype != tensor.dtype:

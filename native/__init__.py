@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["configure_threads", "warm_up", "Plan", "all_finite", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -107,11 +107,37 @@ def _host_input(y: torch.Tensor) -> np.ndarray:
     raise TypeError(f"y must be float32, float16 or bfloat16, got {y.dtype}")
 
 
+_CUDA_ON_CPU = False  # use_cuda_kernels_on_cpu(): the CUDA simulator's kernels take CPU tensors
+
+
+def use_cuda_kernels_on_cpu(enabled: bool = True) -> None:
+    """Testing seam for machines without a GPU: send CPU tensors to the numba.cuda kernels.
+
+    Only under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` before numba is imported), which
+    runs the CUDA kernels, thread by simulated thread, over numpy views of CPU tensors. Every
+    function of this module then takes the path a CUDA tensor takes (the CUDA kernels, and
+    the torch ops instead of the CPU-only Numba helpers), so that an optimizer on CPU
+    parameters exercises the GPU code. Raises RuntimeError without the simulator.
+    """
+    global _CUDA_ON_CPU
+    from numba import config
+    if enabled and not config.ENABLE_CUDASIM:
+        raise RuntimeError("use_cuda_kernels_on_cpu() needs the CUDA simulator: set NUMBA_ENABLE_CUDASIM=1 "
+                           "before numba is imported")
+    _CUDA_ON_CPU = bool(enabled)
+
+
+def _cpu_kernels(*tensors) -> bool:
+    """True when the CPU-only Numba helpers may take these tensors: all on the CPU, contiguous."""
+    return not _CUDA_ON_CPU and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
 def _on_cuda(*tensors) -> bool:
-    """True when every tensor is on one CUDA device, False when all are on the CPU."""
+    """True when every tensor is on one CUDA device, False when all are on the CPU (True there
+    too under :func:`use_cuda_kernels_on_cpu`)."""
     types = {t.device.type for t in tensors}
     if types == {"cpu"}:
-        return False
+        return _CUDA_ON_CPU
     if types == {"cuda"} and len({t.device for t in tensors}) == 1:
         return True
     raise ValueError("hvd_zoadam's kernels need all their tensors on the CPU or all on one CUDA device, got "
@@ -221,7 +247,7 @@ def decompress_momentum(packed, all_server_scales, plan: Plan, exp_avg, beta1: f
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` is finite (no NaN, no ±Inf). float32 CPU tensors take one
     read-only Numba pass; anything else goes to ``torch.isfinite``."""
-    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+    if t.dtype == torch.float32 and _cpu_kernels(t):
         return cpu.count_non_finite(t.reshape(-1).numpy()) == 0 if t.numel() else True
     return bool(torch.isfinite(t).all())
 
@@ -230,7 +256,7 @@ def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
     """In place, ``g <- clamp(g, -b, b)`` with ``b = denom * c`` (float32): bitwise
     ``torch.minimum(g, b)`` then ``torch.maximum(g, -b)`` for finite g, in one pass on the CPU.
     ``g``, ``denom``: float32[n]. Returns ``g``."""
-    if g.device.type == "cpu" and g.is_contiguous() and denom.is_contiguous():
+    if _cpu_kernels(g, denom):
         cpu.clamp_by(g.numpy(), denom.numpy(), float(c))
         return g
     bound = torch.mul(denom, c)
@@ -245,7 +271,7 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
     ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.kinds.sync_finish` with
     ``preconditioned=True, mask=None``; one pass on the CPU instead of five. All float32[n]."""
     tensors = (w, anchor, param, exp_avg, denom)
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if _cpu_kernels(*tensors):
         cpu.sync_rebuild(*(t.numpy() for t in tensors), np.float32(factor), np.float32(decay_product))
         return
     if decay_product != 1.0:
@@ -259,7 +285,7 @@ def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:
     """SYNC steps 2-3 (spec §2) in parameter units: ``out = anchor·decay_product − param``
     (the anchor itself unchanged), bitwise :func:`hvd_zoadam.kinds.sync_prepare` with
     ``preconditioned=True``; one pass on the CPU instead of two. All float32[n]. Returns ``out``."""
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in (param, anchor, out)):
+    if _cpu_kernels(param, anchor, out):
         cpu.sync_prepare(param.numpy(), anchor.numpy(), np.float32(decay_product), out.numpy())
         return out
     if decay_product != 1.0:

@@ -28,7 +28,9 @@ Layout of the work (``TPB`` threads per block):
 """
 from __future__ import annotations
 
+import functools
 import math
+import threading
 
 import numpy as np
 import torch
@@ -452,6 +454,23 @@ def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weigh
 
 # -- torch-level entry points ---------------------------------------------------------------
 
+_SIM_LOCK = threading.RLock()
+
+
+def _entry(fn):
+    """An entry point. The simulator runs one kernel at a time per process ("concurrent
+    simulated kernel not supported"), so there the entry points take a lock: thread-ranks
+    of one process (the tests' ``ThreadGroup``) then launch in turn. A GPU needs no lock."""
+    if not SIMULATOR:
+        return fn
+
+    @functools.wraps(fn)
+    def serialized(*args, **kwargs):
+        with _SIM_LOCK:
+            return fn(*args, **kwargs)
+    return serialized
+
+
 def _arr(t: torch.Tensor):
     """A kernel argument viewing ``t``: zero-copy device array, or a numpy view in the simulator."""
     if t.dtype in (torch.float16, torch.bfloat16):
@@ -513,6 +532,7 @@ def _plan_arrays(plan, like: torch.Tensor) -> dict:
     return plan.on(like.device) if not SIMULATOR else plan._device.setdefault("sim", device_plan(plan, None))
 
 
+@_entry
 def worker_scales(y, worker_error, plan, out):
     d = _plan_arrays(plan, worker_error)
     stream = _stream(worker_error)
@@ -525,6 +545,7 @@ def worker_scales(y, worker_error, plan, out):
     return out
 
 
+@_entry
 def pack_update(y, e, base, plan, scales, packed, has_y=True, e_out=None):
     stream = _stream(e)
     d = _plan_arrays(plan, e)
@@ -534,6 +555,7 @@ def pack_update(y, e, base, plan, scales, packed, has_y=True, e_out=None):
     return packed
 
 
+@_entry
 def compress_fused(y, e, plan, scales, packed, e_out=None):
     """The worker side in one pass (``plan.groups`` must not be None): scales, bits and the new
     error into ``e_out`` (default ``e``), bitwise those of :func:`worker_scales` + :func:`pack_update`."""
@@ -548,6 +570,7 @@ def compress_fused(y, e, plan, scales, packed, e_out=None):
     return packed
 
 
+@_entry
 def server_reduce(recv, all_worker_scales, server_error, plan, packed, scales):
     stream = _stream(server_error)
     d = _plan_arrays(plan, server_error)
@@ -567,6 +590,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan, packed, scales):
     return server_reduce_two_pass(recv, all_worker_scales, server_error, plan, packed, scales)
 
 
+@_entry
 def server_reduce_two_pass(recv, all_worker_scales, server_error, plan, packed, scales):
     """:func:`server_reduce` as three kernels (average, sums of squares and scales, pack):
     what serves chunks with a task longer than ``BLOCK``, and the one-pass kernel's oracle."""
@@ -586,6 +610,7 @@ def server_reduce_two_pass(recv, all_worker_scales, server_error, plan, packed, 
     return packed, scales
 
 
+@_entry
 def _unpack(packed, sscales, plan, mode, like, out=None, exp_avg=None, weight=0.0, anchor=None, param=None,
             denom=None, mask=None, factor=0.0):
     if not plan.numel:
@@ -611,6 +636,7 @@ def decompress_momentum(packed, sscales, plan, exp_avg, beta1):
     return exp_avg
 
 
+@_entry
 def decompress_sync(packed, sscales, plan, anchor, param, exp_avg, denom, factor, decay_product, mask,
                     preconditioned):
     if decay_product != 1.0:  # a separate rounding, as the CPU path (no fused multiply-add)

@@ -1,8 +1,9 @@
-"""Runs tests/cuda (the numba.cuda kernels) under the CUDA simulator, which CI has instead of a GPU.
+"""Runs tests/cuda under the CUDA simulator, which CI has instead of a GPU: the numba.cuda
+kernels, and the optimizer and ``compressed_allreduce`` on the CUDA code path.
 
 The simulator is chosen when numba is imported (``NUMBA_ENABLE_CUDASIM``), so it needs a
 process of its own. Kept small (a few thousand elements per case): the simulator runs each
-GPU thread as a Python thread.
+GPU thread as a Python thread. About 5 minutes here.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def test_cuda_kernels_pass_under_the_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", HVD_ZOADAM_CUDA_TEST_NUMEL="3000")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                            str(ROOT / "tests" / "cuda")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=1800)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert "passed" in out and "skipped" not in out, out[-3000:]  # they ran, on the simulator
+    # they ran, on the simulator; the one test that skips there needs a GPU and the CPU at once
+    skips = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    assert "passed" in out and all("needs two devices" in line for line in skips) and len(skips) <= 1, out[-3000:]

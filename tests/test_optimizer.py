@@ -399,6 +399,13 @@ def test_unsupported_optimizers_and_options_name_what_is_supported():
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=solo())
 
 
+def test_a_parameter_on_neither_the_cpu_nor_cuda_is_refused_by_name():
+    model = torch.nn.Linear(3, 2, device="meta")
+    with pytest.raises(TypeError, match=r"parameter 'weight' is on meta: hvd_zoadam runs on CPU and CUDA tensors"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                        named_parameters=model.named_parameters(), transport=solo())
+
+
 def test_named_parameters_checks_follow_horovod():
     model = common.mlp()
     with pytest.raises(ValueError, match="should be a sequence of tuples"):

@@ -1,0 +1,144 @@
+"""The optimizer and ``compressed_allreduce`` on the CUDA code path.
+
+On a GPU (``native/device_check.sh``) the parameters are CUDA tensors: every buffer of the
+optimizer and the exchange lives on the GPU and the compressor runs the numba.cuda kernels.
+Under the CUDA simulator (CI: ``tests/test_cuda_simulator.py``) there is no CUDA tensor, so
+:func:`hvd_zoadam.native.use_cuda_kernels_on_cpu` sends the CPU tensors down the CUDA path
+instead: the numba.cuda kernels (simulated) and the torch ops that replace the CPU-only
+Numba helpers. What the simulator cannot show: buffers placed on a GPU, streams, speed.
+
+Oracle: :func:`hvd_zoadam.simulate.simulate_zoadam` (P workers in one loop, torch reference
+compressor). Under the simulator every op runs on the CPU, so the parameters must match it
+bit for bit, as the CPU kernels do in ``tests/test_optimizer.py``. On a GPU the forward and
+backward passes and the Adam arithmetic are the GPU's, which may round differently from
+the CPU's in the last bits; there the bound is a tolerance.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from numba import config, cuda
+
+import hvd_zoadam
+import hvd_zoadam.transport
+from hvd_zoadam import Schedule, StepKind, native
+from hvd_zoadam.simulate import simulate_compressed_allreduce, simulate_zoadam
+from conftest import run_threads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mp"))
+import common  # noqa: E402
+
+SIM = bool(config.ENABLE_CUDASIM)
+pytestmark = pytest.mark.skipif(not (SIM or (cuda.is_available() and torch.cuda.is_available())),
+                                reason="needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU")
+DEV = "cpu" if SIM else "cuda"
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+
+
+@pytest.fixture(autouse=True)
+def cuda_path():
+    if SIM:
+        native.use_cuda_kernels_on_cpu(True)
+    yield
+    if SIM:
+        native.use_cuda_kernels_on_cpu(False)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    assert got.device.type == DEV, (what, got.device)
+    if SIM:
+        assert torch.equal(got.cpu(), want), (what, (got.cpu() - want).abs().max())
+    else:
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-5, msg=str(what))
+
+
+def train(p, steps, cls, wd, **kw):
+    def body(rank, transport):
+        model = common.mlp().to(DEV)
+        opt = hvd_zoadam.DistributedOptimizer(cls(model.parameters(), lr=common.LR, weight_decay=wd),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              **KNOBS, **kw)
+        for t in range(1, steps + 1):
+            opt.zero_grad()
+            x, y = common.batch(t, rank)
+            torch.nn.functional.mse_loss(model(x.to(DEV)), y.to(DEV)).backward()
+            opt.step()
+        state = {k: v for k, v in opt.state[model[0].weight].items() if isinstance(v, torch.Tensor)}
+        return [q.detach().clone() for q in model.parameters()], state, opt
+    return run_threads(p, body, timeout_s=600)
+
+
+ADAM, ADAMW_RAW = (torch.optim.Adam, 0.0, False), (torch.optim.AdamW, 0.05, True)
+
+
+# The simulator takes ~0.3 s per kernel launch here (a Python thread per GPU thread, one
+# kernel at a time), so the P = 3 case runs one configuration only.
+@pytest.mark.parametrize("p, config", [(1, ADAM), (1, ADAMW_RAW), (2, ADAM), (2, ADAMW_RAW), (3, ADAM)],
+                         ids=["1-adam-default", "1-adamw-spec-raw", "2-adam-default", "2-adamw-spec-raw",
+                              "3-adam-default"])
+def test_optimizer_on_the_cuda_path_equals_the_simulation(p, config):
+    """14 steps through every step kind (V V C V C V S S S S L S L S) on P thread-ranks."""
+    cls, wd, spec_raw = config
+    steps = 14
+    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
+    got = train(p, steps, cls, wd, **flags)
+    params0 = [q.detach().clone() for q in common.mlp().parameters()]
+    want, kinds = simulate_zoadam(params0, common.grads_at, world_size=p, steps=steps, schedule=Schedule(**KNOBS),
+                                  lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,
+                                  precondition=not spec_raw, auto_mask=not spec_raw)
+    assert set(kinds) == set(StepKind)
+    for r in range(p):
+        params, state, opt = got[r]
+        for i, (a, b) in enumerate(zip(params, want[r])):
+            assert_matches(a, b, (r, i))
+        for key in ("exp_avg", "exp_avg_sq"):  # the optimizer's state lives with the parameters
+            assert state[key].device.type == DEV, key
+        for b in opt._buckets:
+            ex = b.exchange
+            assert {t.device.type for t in (ex.worker_error, ex.server_error, b.anchor)} == {DEV}
+        if p > 1:
+            assert opt.comm_stats()["compressed"]["rounds"] > 0
+
+
+@pytest.mark.parametrize("p, dtype", [(2, torch.float32), (3, torch.float16)])
+def test_compressed_allreduce_on_the_cuda_path_equals_the_reference(p, dtype):
+    """Three calls of ``hvd_zoadam.compressed_allreduce`` carry the error buffers along: the
+    results and both error buffers against the torch reference of spec §3."""
+    n = 1000
+
+    def body(rank, transport):
+        from hvd_zoadam.layout import padded_numel
+        big = padded_numel(n, p)
+        we, se = torch.zeros(big, device=DEV), torch.zeros(big // p, device=DEV)
+        outs = []
+        for call in range(3):
+            y = common.car_input(n, rank, call, dtype).to(DEV)
+            out = hvd_zoadam.compressed_allreduce(y, we, se, transport=transport, name=f"car.{call}")
+            assert out.device.type == DEV and out.dtype == dtype
+            outs.append(out)
+        return outs, we, se
+
+    got = run_threads(p, body, timeout_s=600)
+    from hvd_zoadam.layout import padded_numel
+    big = padded_numel(n, p)
+    we = [torch.zeros(big) for _ in range(p)]
+    se = [torch.zeros(big // p) for _ in range(p)]
+    for call in range(3):
+        want = simulate_compressed_allreduce([common.car_input(n, r, call, dtype) for r in range(p)], we, se)
+        for r in range(p):
+            assert_matches(got[r][0][call], want.to(dtype), ("out", r, call))
+    for r in range(p):
+        assert_matches(got[r][1], we[r], ("worker_error", r))
+        assert_matches(got[r][2], se[r], ("server_error", r))
+
+
+@pytest.mark.skipif(SIM, reason="needs two devices: a GPU and the CPU")
+def test_parameters_on_two_devices_are_refused_naming_both():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2).cuda(), torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is on cpu but parameter '0.weight' is on cuda"):
+        hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                        named_parameters=model.named_parameters(),
+                                        transport=hvd_zoadam.transport.ThreadGroup(1).transports()[0])
