@@ -87,7 +87,7 @@ class CharGPT(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         return self.head(self.ln(self.blocks(x)))
 
 
@@ -110,11 +110,11 @@ def lr_lambda(warmup: int, steps: int, floor: float = 0.1):
 
 
 @torch.no_grad()
-def evaluate(model, data, args) -> float:
+def evaluate(model, data, args, device) -> float:
     """Mean validation loss of this rank's model on fixed batches, averaged over ranks."""
     model.eval()
     gen = torch.Generator().manual_seed(12345)
-    losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    losses = [F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten()).item()
               for x, y in (get_batch(data, args.batch_size, args.block_size, gen) for _ in range(args.eval_batches))]
     model.train()
     return hvd.allreduce(torch.tensor(sum(losses) / len(losses)), op=hvd.Average, name="eval").item()
@@ -139,6 +139,8 @@ def parse_args(argv=None):
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: the GPU of this rank's local rank when torch sees one, else the CPU")
     ap.add_argument("--tensorboard", help="write TensorBoard scalars here (rank 0), when tensorboard is installed")
     ap.add_argument("--var-freeze-step", type=int, default=None, help="default: --warmup (paper §4)")
     ap.add_argument("--var-update-scaler", type=int, default=8)
@@ -157,6 +159,9 @@ def main(argv=None):
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, world = hvd.rank(), hvd.size()
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(hvd.local_rank())  # one GPU per rank, as with Horovod
     text = load_corpus()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
@@ -165,7 +170,7 @@ def main(argv=None):
     train_data, val_data = data[:split], data[split:]
 
     torch.manual_seed(args.seed)
-    model = CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
+    model = CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -213,6 +218,7 @@ def main(argv=None):
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = get_batch(train_data, args.batch_size, args.block_size, gen)
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -233,7 +239,7 @@ def main(argv=None):
             log.write(json.dumps({"step": step, "kind": kind, "lr": lr, "loss": loss.item(),
                                   "bytes_sent": sent, "rounds": rounds}) + "\n")
         if step % args.eval_interval == 0 or step == args.steps:
-            val_curve.append((step, evaluate(model, val_data, args)))
+            val_curve.append((step, evaluate(model, val_data, args, device)))
             if writer:
                 writer.add_scalar("loss/val", val_curve[-1][1], step)
         if bar:
@@ -253,7 +259,8 @@ def main(argv=None):
     # where the ranks ran (hostname, network namespace inode): shows a multi-host launch really spread out
     placement = hvd.allgather_object({"hostname": socket.gethostname(),
                                       "netns": os.stat("/proc/self/ns/net").st_ino if os.path.exists("/proc/self/ns/net") else None})
-    summary = {"optimizer": args.optimizer, "world_size": world, "steps": args.steps, "placement": placement,
+    summary = {"optimizer": args.optimizer, "world_size": world, "steps": args.steps, "device": device,
+               "placement": placement,
                "params": n_params, "final_train_loss": final_train, "final_val_loss": val_curve[-1][1],
                "wall_s": wall, "steps_per_s": args.steps / wall, "comm_stats": stats,
                "train_curve": train_curve, "val_curve": val_curve, "kinds": kinds, "bytes_curve": bytes_curve,

@@ -1250,10 +1250,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
 
     Raises:
-        TypeError: ``optimizer`` is not a plain ``torch.optim.Adam``/``AdamW``, or a knob
-            has the wrong type.
+        TypeError: ``optimizer`` is not a plain ``torch.optim.Adam``/``AdamW``, a knob
+            has the wrong type, or a parameter is on neither the CPU nor a CUDA device.
         ValueError: an unsupported option (``amsgrad``, ``op=hvd.Adasum``, ``groups``, ...)
-            or a knob out of range; the message names the option and the fix.
+            or a knob out of range, the message naming the option and the fix; or two
+            trainable parameters on different devices (one device per rank, as Horovod).
     """
     import horovod.torch as hvd
 

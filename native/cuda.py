@@ -458,17 +458,22 @@ _SIM_LOCK = threading.RLock()
 
 
 def _entry(fn):
-    """An entry point. The simulator runs one kernel at a time per process ("concurrent
-    simulated kernel not supported"), so there the entry points take a lock: thread-ranks
-    of one process (the tests' ``ThreadGroup``) then launch in turn. A GPU needs no lock."""
-    if not SIMULATOR:
-        return fn
+    """An entry point; its first tensor argument says which device it runs on.
 
+    On a GPU the kernels launch in the context of that tensor's device: numba otherwise
+    uses device 0's, wrong for a Horovod rank on ``cuda:<local_rank>`` that sees every GPU
+    of its node. The simulator runs one kernel at a time per process ("concurrent simulated
+    kernel not supported"), so there the entry points take a lock instead: thread-ranks of
+    one process (the tests' ``ThreadGroup``) then launch in turn."""
     @functools.wraps(fn)
-    def serialized(*args, **kwargs):
-        with _SIM_LOCK:
+    def entry(*args, **kwargs):
+        if SIMULATOR:
+            with _SIM_LOCK:
+                return fn(*args, **kwargs)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]:
             return fn(*args, **kwargs)
-    return serialized
+    return entry
 
 
 def _arr(t: torch.Tensor):
@@ -479,7 +484,9 @@ def _arr(t: torch.Tensor):
         t = t.view(torch.uint8)
     if SIMULATOR:
         return t.detach().numpy()
-    return cuda.as_cuda_array(t.detach())
+    # sync=False: torch's array interface names its current stream, which numba would otherwise
+    # synchronize with the host; the kernels run on that very stream, so its order suffices.
+    return cuda.as_cuda_array(t.detach(), sync=False)
 
 
 def _kind(y: torch.Tensor) -> str:

@@ -3,8 +3,9 @@
 #
 #   bash native/device_check.sh            # from the repository root, in the project's venv
 #
-# Runs tests/cuda on CUDA tensors at full size (up to NUMEL elements per case; CI runs the
-# same tests under the CUDA simulator at ~3000), then `bench kernels --device cuda` at 2^24
+# Runs tests/cuda on CUDA tensors: the kernels at full size (up to NUMEL elements per case; CI
+# runs the same tests under the CUDA simulator at ~3000) and the optimizer with CUDA parameters
+# on 1-3 thread-ranks against the simulation oracle; then `bench kernels --device cuda` at 2^24
 # elements for fp32, fp16 and bf16 inputs. Needs torch with CUDA, numba's CUDA target
 # (numba-cuda on newer numba), pytest and hypothesis. Takes well under 5 minutes; the
 # results land in $OUT (default /tmp/hvd_zoadam_device_check, or the device tool's $OUT).
