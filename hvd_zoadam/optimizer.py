@@ -192,7 +192,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
                                          if p.requires_grad):
             raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
-        native.warm_up()  # the kernels' JIT here, not as a stall of the first exchanging step
+        native.warm_up(self._device)  # the kernels' JIT here, not as a stall of the first exchanging step
         self._ready = True
 
     # -- construction ----------------------------------------------------------------------

@@ -318,37 +318,49 @@ def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp
                             bool(preconditioned))
 
 
-_warm = False
+_warm = set()
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the CPU kernels for float32 inputs, on tiny arrays.
+def warm_up(device=None) -> None:
+    """Compile (or load from numba's cache) the kernels for float32 inputs, on tiny arrays.
 
-    The optimizer calls it at construction, so that the first exchanging step does not stall
-    for the JIT (tens of seconds with a cold cache, every rank at once); later calls return at
-    once. float16/bfloat16 inputs compile on first use.
+    ``device``: the tensors' device (default the CPU). The CPU kernels are always warmed; a
+    CUDA device warms the numba.cuda kernels too, in that device's context. The optimizer
+    calls it at construction, so that the first exchanging step does not stall for the JIT
+    (tens of seconds with a cold cache, every rank at once); later calls for a device
+    return at once. float16/bfloat16 inputs compile on first use.
     """
-    global _warm
-    if _warm:
+    if _CUDA_ON_CPU:  # the simulator compiles nothing
         return
+    keys = ["cpu"]
+    if device is not None and torch.device(device).type == "cuda":
+        keys.append(str(torch.device(device)))
+    for key in keys:
+        if key not in _warm:
+            _warm_calls(torch.device(key))
+            _warm.add(key)
+
+
+def _warm_calls(device: torch.device) -> None:
+    ones = lambda *shape: torch.ones(*shape, device=device)  # noqa: E731
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     n, p = 24, 2
     for offsets in ([0, 10, n], [0, 5000]):  # one pass (short segments) and two passes
         m = offsets[-1]
         big = m + (-m) % (8 * p)
         plan = Plan(offsets, big, p, 0)
-        y, e = torch.ones(big), torch.zeros(big)
-        packed, scales = torch.zeros(big // 8, dtype=torch.uint8), torch.zeros(plan.nseg)
-        worker_compress(y, e, plan, scales, packed, error_out=torch.zeros(big))
+        y, e = ones(big), zeros(big)
+        packed, scales = zeros(big // 8, dtype=torch.uint8), zeros(plan.nseg)
+        worker_compress(y, e, plan, scales, packed, error_out=zeros(big))
     plan = Plan([0, 10, n], n + (-n) % (8 * p), p, 0)
     chunk = plan.chunk_numel
-    recv, wscales = torch.zeros(p, chunk // 8, dtype=torch.uint8), torch.ones(p, plan.nseg)
-    server_reduce(recv, wscales, torch.zeros(chunk), plan, torch.zeros(chunk // 8, dtype=torch.uint8),
-                  torch.zeros(plan.nseg))
-    packed = torch.zeros(plan.padded_numel // 8, dtype=torch.uint8)
-    v = [torch.ones(n) for _ in range(5)]
+    recv, wscales = zeros(p, chunk // 8, dtype=torch.uint8), ones(p, plan.nseg)
+    server_reduce(recv, wscales, zeros(chunk), plan, zeros(chunk // 8, dtype=torch.uint8), zeros(plan.nseg))
+    packed = zeros(plan.padded_numel // 8, dtype=torch.uint8)
+    v = [ones(n) for _ in range(5)]
     decompress(packed, wscales, plan, v[0])
     decompress_momentum(packed, wscales, plan, v[0], 0.9)
-    for mask in (None, torch.ones(n, dtype=torch.bool)):
+    for mask in (None, torch.ones(n, dtype=torch.bool, device=device)):
         for preconditioned in (True, False):
             decompress_sync(packed, wscales, plan, anchor=v[0], param=v[1], exp_avg=v[2], denom=v[3], factor=0.5,
                             decay_product=0.5, mask=mask, preconditioned=preconditioned)
@@ -356,4 +368,3 @@ def warm_up() -> None:
     clamp_by(v[0], v[1], 1.0)
     sync_prepare(v[0], v[1], 0.5, v[4])
     sync_rebuild(v[4], v[0], v[1], v[2], v[3], 0.5, 0.5)
-    _warm = True
