@@ -253,7 +253,9 @@ def cmd_kernels(args) -> dict:
 
     GB/s counts each kernel's main input: the bytes of y for worker_compress (``--dtype``),
     of the chunk's float32 server error for server_reduce, of the float32 output / momentum
-    for the unpacking kernels. The reference is a ``copy_`` of the float32 buffer into a
+    for the unpacking kernels. ``traffic_vs_copy`` instead counts every byte a kernel must
+    read and write (e.g. 20 per element for decompress_sync) against the copy's 8: 1.0 is
+    memory speed, whatever the kernel's inputs. The reference is a ``copy_`` of the float32 buffer into a
     preallocated one (device to device on CUDA), timed alternately with each kernel; each
     ratio is best kernel time against best copy time over ``--repeats`` pairs after a
     warm-up. CUDA: events on the current stream; CPU: ``perf_counter``.
@@ -309,13 +311,19 @@ def cmd_kernels(args) -> dict:
     def copy():
         dst.copy_(src)
 
+    # name: (call, bytes counted as its input, bytes it must read and write at least)
+    c = big // p
     kernels = {
-        "worker_compress": (lambda: native.worker_compress(y, err, plan, scales, packed), y.element_size() * big),
-        "server_reduce": (lambda: native.server_reduce(recv, wscales, serr, plan, spacked, sscales), 4 * big // p),
-        "decompress": (lambda: native.decompress(packed, wscales, plan, out), 4 * n),
-        "decompress_momentum": (lambda: native.decompress_momentum(packed, wscales, plan, m, 0.9), 4 * n),
+        "worker_compress": (lambda: native.worker_compress(y, err, plan, scales, packed), y.element_size() * big,
+                            (y.element_size() + 8) * big + big // 8),         # y, e in; e out; bits
+        "server_reduce": (lambda: native.server_reduce(recv, wscales, serr, plan, spacked, sscales), 4 * c,
+                          p * c // 8 + 8 * c + c // 8),                       # P chunks of bits; e_s in/out; bits
+        "decompress": (lambda: native.decompress(packed, wscales, plan, out), 4 * n, big // 8 + 4 * n),
+        "decompress_momentum": (lambda: native.decompress_momentum(packed, wscales, plan, m, 0.9), 4 * n,
+                                big // 8 + 8 * n),                            # bits; m in and out
         "decompress_sync": (lambda: native.decompress_sync(packed, wscales, plan, anchor=anchor, param=param,
-                                                           exp_avg=m, denom=denom, factor=0.5), 4 * n),
+                                                           exp_avg=m, denom=denom, factor=0.5), 4 * n,
+                            big // 8 + 20 * n),                               # bits, x_a, s in; x, m, x_a out
     }
     res = {"benchmark": "kernels", "device": device, "numel": n, "dtype": args.dtype, "world_size": p,
            "scale_block_numel": args.block, "threads": numba.get_num_threads() if device == "cpu" else None,
@@ -324,7 +332,7 @@ def cmd_kernels(args) -> dict:
         res["gpu"] = torch.cuda.get_device_name()
     targets = KERNEL_TARGETS[device]
     copies = []
-    for name, (fn, nbytes) in kernels.items():
+    for name, (fn, nbytes, traffic) in kernels.items():
         # the copy and the kernel alternate, so that a change in the machine's load hits both alike
         copy(), fn()
         pairs = [(timed(copy), timed(fn)) for _ in range(args.repeats)]
@@ -332,7 +340,9 @@ def cmd_kernels(args) -> dict:
         t = min(k for _, k in pairs)
         copies.append(copy_gbs)
         ratio = nbytes / t / 1e9 / copy_gbs
-        res["kernels"][name] = {"ms": t * 1e3, "GBps": nbytes / t / 1e9, "copy_GBps": copy_gbs, "vs_copy": ratio}
+        res["kernels"][name] = {"ms": t * 1e3, "GBps": nbytes / t / 1e9, "copy_GBps": copy_gbs, "vs_copy": ratio,
+                                # memory speed: bytes read and written per second against the copy's 8 per element
+                                "traffic_vs_copy": traffic / t / (2 * copy_gbs * 1e9)}
         if name in targets:
             res["kernels"][name].update(target_vs_copy=targets[name], met=ratio >= targets[name])
     res["copy_GBps"] = max(copies)

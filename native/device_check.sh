@@ -39,6 +39,7 @@ import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("kernels_cuda_*.json")):
     rep = json.loads(f.read_text())
     print(rep["dtype"], "copy %.0f GB/s" % rep["copy_GBps"],
-          ", ".join("%s %.2fx%s" % (k, v["vs_copy"], "" if v.get("met", True) else " (below 0.6x)")
+          ", ".join("%s %.2fx (traffic %.2fx)%s" % (k, v["vs_copy"], v["traffic_vs_copy"],
+                                                   "" if v.get("met", True) else " (below 0.6x)")
                     for k, v in rep["kernels"].items()))
 PY

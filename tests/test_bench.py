@@ -97,3 +97,10 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # issue 3's CPU targets are reported
     assert isinstance(rep["kernels"]["decompress_momentum"]["met"], bool)
     assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())
+    # memory traffic per element against the copy's 8 bytes, by hand for n = 65536, P = 2 (no padding):
+    # decompress_sync reads 1/8 (bits) + 4 (x_a) + 4 (s) and writes 4 (x) + 4 (m) + 4 (x_a) for its 4 counted
+    ratios = {"decompress_sync": (1 / 8 + 20) / 8, "decompress_momentum": (1 / 8 + 8) / 8,
+              "worker_compress": (4 + 8 + 1 / 8) / 8, "server_reduce": (2 / 8 + 8 + 1 / 8) / 8}
+    for name, ratio in ratios.items():
+        k = rep["kernels"][name]
+        assert k["traffic_vs_copy"] == pytest.approx(k["vs_copy"] * ratio, rel=1e-9), name
