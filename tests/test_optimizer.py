@@ -60,10 +60,7 @@ def test_equals_the_simulation_bitwise(p, cls, wd, spec_raw):
     steps = 26
     flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
     got = train_threads(p, steps, cls, wd, **flags)
-    params0 = [q.detach().clone() for q in common.mlp().parameters()]
-    want, kinds = simulate_zoadam(params0, common.grads_at, world_size=p, steps=steps, schedule=Schedule(**KNOBS),
-                                  lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,
-                                  precondition=not spec_raw, auto_mask=not spec_raw)
+    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, spec_raw)
     assert {k for k in kinds} == set(StepKind)
     for r in range(p):
         for a, b in zip(got[r][0], want[r]):

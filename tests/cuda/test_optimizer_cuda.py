@@ -24,8 +24,8 @@ from numba import config, cuda
 
 import hvd_zoadam
 import hvd_zoadam.transport
-from hvd_zoadam import Schedule, StepKind, native
-from hvd_zoadam.simulate import simulate_compressed_allreduce, simulate_zoadam
+from hvd_zoadam import StepKind, native
+from hvd_zoadam.simulate import simulate_compressed_allreduce
 from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mp"))
@@ -85,10 +85,7 @@ def test_optimizer_on_the_cuda_path_equals_the_simulation(p, config):
     steps = 14
     flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
     got = train(p, steps, cls, wd, **flags)
-    params0 = [q.detach().clone() for q in common.mlp().parameters()]
-    want, kinds = simulate_zoadam(params0, common.grads_at, world_size=p, steps=steps, schedule=Schedule(**KNOBS),
-                                  lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,
-                                  precondition=not spec_raw, auto_mask=not spec_raw)
+    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, spec_raw)
     assert set(kinds) == set(StepKind)
     for r in range(p):
         params, state, opt = got[r]

@@ -4,7 +4,7 @@ argv: OUT_DIR HOSTS_FILE STEPS GROW_AT. Rank 0 writes ``localhost:3`` into HOSTS
 the host-discovery script) after step GROW_AT; while the world is still at 2 after that, every
 rank waits a little per step so the driver's notice arrives well before the end. Each process
 writes OUT_DIR/pid<pid>.json: one record per step it ran (world size, rank, kind, schedule
-state, error-buffer sizes, a digest of the parameters and of exp_avg).
+state, lr, error-buffer sizes, digests of the parameters, exp_avg and exp_avg_sq).
 """
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def main():
                 "numel": [b.numel for b in opt._buckets],
                 "params": digest(model.parameters()),
                 "exp_avg": digest(opt.state[p]["exp_avg"] for p in model.parameters()),
+                "exp_avg_sq": digest(opt.state[p]["exp_avg_sq"] for p in model.parameters()),
+                "lr": opt.param_groups[0]["lr"],
             })
             if step == grow_at and hvd.rank() == 0:
                 hosts_file.write_text("localhost:3\n")
