@@ -775,9 +775,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         buf[b.numel:].zero_()
         self._grads_into(b, buf)
         if pre is not None:
-            y = buf[:b.numel].div_(pre[0])
-            if native.all_finite(y):  # a NaN/Inf must reach the scales: agreed skip
-                y.clamp_(-pre[1], pre[1])
+            native.clamp_finite_(buf[:b.numel].div_(pre[0]), pre[1])  # a NaN/Inf must reach the scales
 
     def _compress_grads(self, step: int) -> bool:
         """C(g) of every bucket into p.grad.

@@ -328,24 +328,27 @@ class MPITransport(HorovodTransport):
         cuda = "" if self.cuda_aware is None else (", CUDA-aware" if self.cuda_aware else ", staged via host")
         return f"mpi (mpi4py on Horovod's MPI world{cuda})"
 
-    def _host(self, tensor, key):
-        """(host tensor to hand MPI, device tensor to copy back into or None)."""
+    def _host(self, tensor, key, send: bool):
+        """(tensor to hand MPI, device tensor to copy the result back into, or None).
+
+        ``send``: MPI reads the tensor (a receive buffer is only written: nothing to stage
+        or wait for; the send's synchronisation came first)."""
         if tensor.device.type == "cpu":
             return tensor, None
         if self.cuda_aware is None:
             self.cuda_aware = mpi_cuda_aware()
         if self.cuda_aware:
-            # MPI reads device memory outside torch's streams: the kernels that wrote the
-            # buffer (queued on the current stream) must have finished first.
-            torch.cuda.current_stream(tensor.device).synchronize()
+            if send:  # MPI reads device memory outside torch's streams: what the kernels queued must be done
+                torch.cuda.current_stream(tensor.device).synchronize()
             return tensor, None
         buf = self._pinned.get(key)
         if buf is None or buf.numel() < tensor.numel() or buf.dtype != tensor.dtype:
             buf = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
             self._pinned[key] = buf
         buf = buf[:tensor.numel()]
-        buf.copy_(tensor)
-        return buf, tensor
+        if send:
+            buf.copy_(tensor)  # device to pinned host: waits for the stream's work on the tensor
+        return buf, (None if send else tensor)
 
     @staticmethod
     def _buf(tensor):
@@ -363,8 +366,8 @@ class MPITransport(HorovodTransport):
         numel = self.world_size * send.numel() if op == "allgather" else send.numel()
         recv = torch.empty(numel, dtype=send.dtype, device=send.device)
         # Staging buffers are keyed by name: several collectives can be in flight at once.
-        host_send, _ = self._host(send, (name, "send"))
-        host_recv, device_recv = self._host(recv, (name, "recv")) if recv.device.type != "cpu" else (recv, None)
+        host_send, _ = self._host(send, (name, "send"), send=True)
+        host_recv, device_recv = self._host(recv, (name, "recv"), send=False)
         sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
         request = (self._comm.Iallgather if op == "allgather" else self._comm.Ialltoall)(sbuf, rbuf)
         return ("mpi", request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)

@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "clamp_finite_", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -250,6 +250,19 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.dtype == torch.float32 and _cpu_kernels(t):
         return cpu.count_non_finite(t.reshape(-1).numpy()) == 0 if t.numel() else True
     return bool(torch.isfinite(t).all())
+
+
+def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:
+    """In place, ``y <- clamp(y, -bound, bound)``, except that a NaN/Inf in ``y`` must still
+    reach the scales (spec §5: the agreed skip). On the CPU one read-only check, then the
+    clamp only when all is finite; elsewhere no host synchronisation (it runs inside the
+    backward hooks): ±Inf become NaN, which the clamp keeps. Bitwise ``clamp_`` for finite
+    ``y``. ``y``: float32[n]. Returns ``y``."""
+    if _cpu_kernels(y):
+        if all_finite(y):
+            y.clamp_(-bound, bound)
+        return y
+    return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-bound, bound)
 
 
 def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:

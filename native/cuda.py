@@ -21,10 +21,12 @@ Layout of the work (``TPB`` threads per block):
   is deterministic; then one thread per segment adds its tasks in task order.
   The order differs from the CPU kernels', so scales may differ in the last float64
   bits (the tests bound this); bits and errors are bitwise the CPU's for the same scales.
-* No kernel multiplies and adds in one expression where the CPU rounds twice, so
-  no fused multiply-add can change a result: the error updates are ``z ± s``, the
-  server average ``acc / P + e``, and the SYNC rebuild applies the window's decay
-  in a separate torch ``mul_`` first.
+* No fused multiply-add can change a result. NVVM contracts ``a*b + c`` by default,
+  so where the CPU rounds a product before an add, the kernels either avoid the form
+  (the error updates are ``z ± s``, the server average ``acc / P + e``, the SYNC
+  rebuild applies the window's decay in a separate torch ``mul_`` first) or round the
+  product on its own (:func:`_mul_rn`, the momentum lerp). The float64 sums of squares
+  may fuse: the square of a float32 is exact in float64, so they give the same bits.
 """
 from __future__ import annotations
 
@@ -48,6 +50,20 @@ SIMULATOR = bool(_config.ENABLE_CUDASIM)
 @cuda.jit(device=True)
 def _identity(v):
     return v
+
+
+if SIMULATOR:  # the simulator's libdevice functions are stubs (they return NaN); it never fuses
+    @cuda.jit(device=True)
+    def _mul_rn(a, b):
+        return a * b
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _mul_rn(a, b):
+        """a·b rounded on its own: NVVM contracts ``a*b + c`` into one FMA by default (numba
+        passes no ``-fma=0``), which the CPU kernels round twice; PTX never fuses ``mul.rn``."""
+        return libdevice.fmul_rn(a, b)
 
 
 _decode_half = cuda.jit(device=True)(_half_to_f32)
@@ -438,7 +454,7 @@ def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weigh
             out[j] = w
         elif mode == 1:
             m = exp_avg[j]
-            exp_avg[j] = m + np.float32(weight) * (w - m)
+            exp_avg[j] = m + _mul_rn(np.float32(weight), w - m)
         else:
             if has_mask:
                 w = w * np.float32(mask[j])
@@ -484,8 +500,9 @@ def _arr(t: torch.Tensor):
         t = t.view(torch.uint8)
     if SIMULATOR:
         return t.detach().numpy()
-    # sync=False: torch's array interface names its current stream, which numba would otherwise
-    # synchronize with the host; the kernels run on that very stream, so its order suffices.
+    # sync=False: should torch's array interface name a stream (version 3; torch 2.13 gives
+    # version 2, without one), numba would synchronize it with the host on every argument. The
+    # kernels run on torch's current stream, whose order suffices.
     return cuda.as_cuda_array(t.detach(), sync=False)
 
 
@@ -500,7 +517,10 @@ def _stream(t: torch.Tensor):
     """torch's current stream on ``t``'s device as a numba stream (0 in the simulator)."""
     if SIMULATOR or t.device.type != "cuda":
         return 0
-    return cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
+    handle = torch.cuda.current_stream(t.device).cuda_stream
+    if handle == 0:  # torch's default stream is the legacy one, even where numba's 0 is per-thread
+        return cuda.legacy_default_stream()
+    return cuda.external_stream(handle)
 
 
 def _grid(n: int) -> int:
@@ -536,7 +556,11 @@ def device_plan(plan, device) -> dict:
 
 
 def _plan_arrays(plan, like: torch.Tensor) -> dict:
-    return plan.on(like.device) if not SIMULATOR else plan._device.setdefault("sim", device_plan(plan, None))
+    if not SIMULATOR:
+        return plan.on(like.device)
+    if "sim" not in plan._device:
+        plan._device["sim"] = device_plan(plan, None)
+    return plan._device["sim"]
 
 
 @_entry

@@ -327,6 +327,26 @@ def test_clamp_by_is_bitwise_the_torch_ops(n, scale, seed, c):
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["numba-check", "torch-no-sync"])
+def test_clamp_finite_clamps_finite_input_and_lets_non_finite_reach_the_scales(contiguous):
+    """A non-contiguous view takes the path of CUDA tensors (no host synchronisation)."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(2 * 1000, generator=gen) * 3
+    view = (lambda t: t) if contiguous else (lambda t: t[::2])
+    y = view(base.clone())
+    assert torch.equal(native.clamp_finite_(y, 1.5), view(base).clamp(-1.5, 1.5))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        u = base.clone()
+        u[10] = bad
+        y = view(u)
+        native.clamp_finite_(y, 1.5)
+        at = 10 if contiguous else 5
+        assert not bool(torch.isfinite(y[at])), bad   # what the scale of its block sees: not finite
+        assert not native.all_finite(y.contiguous())
+        if contiguous:  # the CPU path leaves a non-finite input as it was (the step is skipped anyway)
+            assert torch.equal(y[:at], base[:at]) and bool((y[:at].abs() > 1.5).any())
+
+
 @pytest.mark.parametrize("decay", [1.0, 0.9999876])
 def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
     """native.sync_prepare / sync_rebuild (one pass each) against kinds.sync_prepare, then

@@ -86,7 +86,9 @@ def test_optimizer_on_the_cuda_path_equals_the_simulation(p, config):
     flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
     got = train(p, steps, cls, wd, **flags)
     want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, spec_raw)
-    assert set(kinds) == set(StepKind)
+    assert set(kinds) == set(StepKind) and kinds[-1] is StepKind.SYNC
+    for r in range(1, p):  # after the last step, a SYNC, every rank holds the same bits, on any device
+        assert all(torch.equal(a, b) for a, b in zip(got[r][0], got[0][0])), r
     for r in range(p):
         params, state, opt = got[r]
         for i, (a, b) in enumerate(zip(params, want[r])):
