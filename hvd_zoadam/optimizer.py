@@ -671,10 +671,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                         wire, g32))
         return out
 
-    def _finish_average(self, b: _Bucket, started: list) -> bool:
+    def _finish_average(self, b: _Bucket, started: list) -> list:
         """Wait for :meth:`_start_average`'s allreduces; write the float32 averages into p.grad.
-        Returns False when one is non-finite."""
-        f, ok = self.gradient_predivide_factor, True
+        Returns the float32 averages, for one finiteness check of the whole step."""
+        f, averages = self.gradient_predivide_factor, []
         for p, (handle, wire, g32) in zip(b.params, started):
             if handle is not None:
                 self.transport.wait(handle)
@@ -682,12 +682,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 g32.copy_(wire)
             if f != 1.0:
                 g32.mul_(f)
-            ok = ok and native.all_finite(g32)
+            averages.append(g32)
             if p.grad is None:  # dropped after the hooks started its allreduce
                 p.grad = torch.zeros_like(p)
             if g32 is not p.grad:
                 p.grad.copy_(g32.view_as(p.grad))
-        return ok
+        return averages
 
     def _average_grads(self) -> bool:
         early = self._early if (self._early and self._early.get("kind") is StepKind.VARIANCE) else None
@@ -697,10 +697,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 started[bi] = early["handles"].pop(bi)
             else:
                 started[bi] = self._start_average(self._buckets[bi])
-        ok = True
+        averages = []
         for bi in self._launch_order:
-            ok = self._finish_average(self._buckets[bi], started[bi]) and ok
-        return ok
+            averages += self._finish_average(self._buckets[bi], started[bi])
+        return native.all_finite_many(averages)  # on a GPU, one host synchronisation per step
 
     def _exchange_all(self, buckets, fill, consume, consume_packed=None, started=None) -> bool:
         """C(.) of every bucket in ``buckets``, in order. Returns False when skipped.

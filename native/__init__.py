@@ -26,7 +26,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "clamp_finite_", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -250,6 +250,17 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.dtype == torch.float32 and _cpu_kernels(t):
         return cpu.count_non_finite(t.reshape(-1).numpy()) == 0 if t.numel() else True
     return bool(torch.isfinite(t).all())
+
+
+def all_finite_many(tensors) -> bool:
+    """Whether every element of every tensor is finite: :func:`all_finite` per CPU tensor
+    (stopping at the first non-finite one), one host synchronisation in all for the rest."""
+    tensors = list(tensors)
+    on_cpu = [t for t in tensors if _cpu_kernels(t)]
+    if not all(all_finite(t) for t in on_cpu):
+        return False
+    rest = [torch.isfinite(t).all() for t in tensors if not _cpu_kernels(t) and t.numel()]
+    return bool(torch.stack(rest).all()) if rest else True
 
 
 def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:
