@@ -1166,13 +1166,19 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
         buffers in float32 (no cast through a low-precision parameter dtype). The counters in
         ``param_groups`` are restored exactly, so the schedule resumes where it was. This
-        rank's error buffers are kept; use a per-rank save to restore them too."""
+        rank's error buffers are kept; use a per-rank save to restore them too.
+
+        The buffers' tensors bypass torch's loader, which would first cast each of them to
+        its parameter's device and dtype: a transient second copy of m, v and the anchor on
+        the GPU when a checkpoint was loaded to the CPU."""
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
         self._pending = None
-        super().load_state_dict(state_dict)
+        buffers = ("exp_avg", "exp_avg_sq", "anchor", "exp_avg_mask")
+        super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in st.items() if k not in buffers}
+                                                         for i, st in saved.items()}})
         for b in self._buckets:
             for key in b.views:
                 skey = "exp_avg_mask" if key == "mask" else key
