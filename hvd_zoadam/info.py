@@ -79,12 +79,25 @@ def _transport_choice(horovod: dict) -> str:
             "horovodrun --gloo)")
 
 
+def _kernels(numba_info: dict, torch_info: dict) -> str:
+    """Which compressor kernels the parameters' devices get here."""
+    cpu = "CPU tensors: Numba CPU kernels"
+    if numba_info.get("cuda_simulator"):
+        return cpu + "; CUDA: numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1), for tests only"
+    if torch_info["cuda_available"] and numba_info.get("cuda_available"):
+        return cpu + "; CUDA tensors: numba.cuda kernels (never yet run on a GPU by this project's tests)"
+    if torch_info["cuda_available"]:
+        return cpu + "; CUDA tensors: unavailable, numba sees no CUDA device (install numba-cuda and the CUDA toolkit)"
+    return cpu + "; CUDA tensors: no CUDA device here"
+
+
 def report() -> dict:
     horovod = _horovod()
     import hvd_zoadam
-    return {"hvd_zoadam": hvd_zoadam.__version__, "horovod": horovod, "mpi": _mpi(), "numba": _numba(),
-            "torch": _torch(), "auto_transport": _transport_choice(horovod),
-            "kernels": "Numba CPU kernels (CUDA tensors are not supported in this release)"}
+    numba_info, torch_info = _numba(), _torch()
+    return {"hvd_zoadam": hvd_zoadam.__version__, "horovod": horovod, "mpi": _mpi(), "numba": numba_info,
+            "torch": torch_info, "auto_transport": _transport_choice(horovod),
+            "kernels": _kernels(numba_info, torch_info)}
 
 
 def _print(rep: dict) -> None:

@@ -48,6 +48,7 @@ def test_info_reports_the_environment():
     assert rep["horovod"]["installed"] and rep["horovod"]["controllers"] == {"mpi": True, "gloo": True}
     assert rep["mpi"]["library"].startswith("Open MPI") and rep["mpi"]["cuda_aware"] is False
     assert rep["torch"]["version"].startswith("2.") and "horovod" in rep["auto_transport"]
+    assert rep["kernels"] == "CPU tensors: Numba CPU kernels; CUDA tensors: no CUDA device here"
     text = subprocess.run([sys.executable, "-m", "hvd_zoadam.info"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120).stdout
     assert "Available Controllers" in text and "transport='auto' picks" in text
