@@ -353,11 +353,20 @@ def warm_up(device=None) -> None:
     calls it at construction, so that the first exchanging step does not stall for the JIT
     (tens of seconds with a cold cache, every rank at once); later calls for a device
     return at once. float16/bfloat16 inputs compile on first use.
+
+    Raises:
+        RuntimeError: ``device`` is a CUDA device and numba's CUDA target sees none (the
+            message says what to install).
     """
     if _CUDA_ON_CPU:  # the simulator compiles nothing
         return
     keys = ["cpu"]
     if device is not None and torch.device(device).type == "cuda":
+        from numba import cuda as numba_cuda
+        if not numba_cuda.is_available():
+            raise RuntimeError(f"hvd_zoadam's kernels for tensors on {device} need numba's CUDA target, which sees "
+                               "no CUDA device here: install numba-cuda and the CUDA toolkit's NVVM (check with "
+                               "python -m hvd_zoadam.info), or keep the model on the CPU")
         keys.append(str(torch.device(device)))
     for key in keys:
         if key not in _warm:

@@ -370,3 +370,12 @@ def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
     a2, x2, m2 = anchor.clone(), torch.empty(n), torch.empty(n)
     native.sync_rebuild(w2, a2, x2, m2, denom, h.bias_correction1 / 0.0123, decay)
     assert torch.equal(x1, x2) and torch.equal(m1, m2) and torch.equal(a1, a2)
+
+
+def test_warm_up_for_a_cuda_device_numba_cannot_see_says_what_to_install():
+    """What a CUDA optimizer meets at construction where numba has no CUDA target (this machine)."""
+    from numba import cuda
+    if cuda.is_available():
+        pytest.skip("numba sees a CUDA device here")
+    with pytest.raises(RuntimeError, match="need numba's CUDA target.*install numba-cuda"):
+        native.warm_up("cuda:0")
