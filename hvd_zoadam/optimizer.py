@@ -1259,6 +1259,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         ValueError: an unsupported option (``amsgrad``, ``op=hvd.Adasum``, ``groups``, ...)
             or a knob out of range, the message naming the option and the fix; or two
             trainable parameters on different devices (one device per rank, as Horovod).
+        RuntimeError: CUDA parameters where numba's CUDA target sees no device.
     """
     import horovod.torch as hvd
 
