@@ -29,12 +29,16 @@ import socket
 import sys
 import time
 
-import horovod.torch as hvd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_zoadam
+
+try:
+    import horovod.torch as hvd
+except ImportError:  # the model stays importable without Horovod (python -m hvd_zoadam.bench step)
+    hvd = None
 
 
 class _Lines:
@@ -156,6 +160,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if hvd is None:
+        raise SystemExit("train_lm.py runs under Horovod: install horovod[pytorch] (make demo builds it)")
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, world = hvd.rank(), hvd.size()

@@ -187,27 +187,46 @@ def _network_png(report: dict, path: str) -> None:
 # -- step ------------------------------------------------------------------------------------
 
 def cmd_step(args) -> dict:
-    """The optimizer step alone at P = 1: each hvd_zoadam step kind vs AdamW(foreach=True)."""
-    import horovod.torch as hvd
+    """The optimizer step alone at P = 1: each hvd_zoadam step kind vs AdamW(foreach=True).
+
+    ``--device cuda`` puts the model on the GPU (times end with a device synchronisation).
+    Without Horovod installed (a bare GPU machine) the optimizer gets a one-rank thread
+    transport instead: at P = 1 nothing is sent either way.
+    """
     import torch
 
     import hvd_zoadam
     from hvd_zoadam import StepKind
+    from hvd_zoadam.transport import ThreadGroup
     lm = __import__("hvd_zoadam._bench_lm", fromlist=["_train_lm"])._train_lm()
-    hvd.init()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    try:
+        import horovod.torch as hvd
+        hvd.init()
+        transport, world = "auto", hvd.size()
+    except ImportError:
+        transport, world = ThreadGroup(1).transports()[0], 1
     torch.set_num_threads(args.threads)
 
     def model():
         torch.manual_seed(0)
-        m = lm.CharGPT(84, 128, args.n_layer, args.n_embd, 4)
+        m = lm.CharGPT(84, 128, args.n_layer, args.n_embd, 4).to(device)
         for p in m.parameters():
             p.grad = torch.randn_like(p) * 1e-2
         return m
 
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     def timed(step, n):
+        sync()
         t0 = time.perf_counter()
         for _ in range(n):
             step()
+        sync()
         return (time.perf_counter() - t0) / n
 
     m = model()
@@ -215,8 +234,10 @@ def cmd_step(args) -> dict:
     for _ in range(3):
         adamw.step()
     bases = []
-    out = {"benchmark": "step", "world_size": hvd.size(), "params": sum(p.numel() for p in m.parameters()),
-           "threads": args.threads, "kinds": {}}
+    out = {"benchmark": "step", "world_size": world, "params": sum(p.numel() for p in m.parameters()),
+           "device": device, "threads": args.threads, "kinds": {}}
+    if device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
     # One optimizer per kind, with a schedule that makes every timed step that kind.
     configs = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
                StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
@@ -225,7 +246,7 @@ def cmd_step(args) -> dict:
     for kind, cfg in configs.items():
         m = model()
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
-                                              named_parameters=m.named_parameters(), **cfg)
+                                              named_parameters=m.named_parameters(), transport=transport, **cfg)
         for _ in range(4):
             opt.step()
         seen = opt._next_kind()[1]
@@ -474,6 +495,7 @@ def main(argv=None) -> int:
     st.add_argument("--n-layer", type=int, default=4)
     st.add_argument("--n-embd", type=int, default=256)
     st.add_argument("--threads", type=int, default=1)
+    st.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     st.add_argument("--iters", type=int, default=10)
     st.add_argument("--repeats", type=int, default=5)
     st.add_argument("--json")

@@ -1261,7 +1261,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
             trainable parameters on different devices (one device per rank, as Horovod).
         RuntimeError: CUDA parameters where numba's CUDA target sees no device.
     """
-    import horovod.torch as hvd
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        if not isinstance(transport, Transport) or compression is not None or op is not None:
+            raise
+        hvd = None  # an explicit transport (e.g. thread-ranks in tests) needs no Horovod
 
     from .elastic import register_state_handler
     register_state_handler()
@@ -1273,16 +1278,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if not isinstance(optimizer, torch.optim.Adam):
         raise TypeError("hvd_zoadam.DistributedOptimizer supports torch.optim.Adam (L2 weight decay) and "
                         f"torch.optim.AdamW (decoupled weight decay); got {type(optimizer).__name__}")
-    compression = hvd.Compression.none if compression is None else compression
-    if compression not in (hvd.Compression.none, hvd.Compression.fp16):
-        raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16 (applied to the "
-                         f"full-precision VARIANCE steps); got {compression!r}")
-    op = hvd.Average if op is None else op
-    if op == hvd.Adasum:
-        raise ValueError("op=hvd.Adasum cannot be combined with 0/1 Adam, which compresses and averages "
-                         "updates itself; use op=hvd.Average (the default) or hvd.DistributedOptimizer for Adasum")
-    if op != hvd.Average:
-        raise ValueError(f"op must be hvd.Average for 0/1 Adam (its updates are averages); got {op!r}")
+    if hvd is not None:
+        compression = hvd.Compression.none if compression is None else compression
+        if compression not in (hvd.Compression.none, hvd.Compression.fp16):
+            raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16 (applied to the "
+                             f"full-precision VARIANCE steps); got {compression!r}")
+        op = hvd.Average if op is None else op
+        if op == hvd.Adasum:
+            raise ValueError("op=hvd.Adasum cannot be combined with 0/1 Adam, which compresses and averages "
+                             "updates itself; use op=hvd.Average (the default) or hvd.DistributedOptimizer for "
+                             "Adasum")
+        if op != hvd.Average:
+            raise ValueError(f"op must be hvd.Average for 0/1 Adam (its updates are averages); got {op!r}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be an int, got {backward_passes_per_step!r}")
     if backward_passes_per_step <= 0:

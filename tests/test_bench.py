@@ -59,6 +59,18 @@ def test_bench_step_reports_each_kind_against_adamw():
     assert rep["adamw_foreach_ms"] > 0 and isinstance(rep["met"], bool)
 
 
+def test_bench_step_runs_without_horovod_as_on_a_bare_gpu_machine():
+    """native/device_check.sh runs `bench step --device cuda` where Horovod may be missing."""
+    code = ("import sys; sys.modules['horovod'] = sys.modules['horovod.torch'] = None; "
+            "from hvd_zoadam.bench import main; "
+            "sys.exit(main(['step', '--n-layer', '1', '--n-embd', '64', '--iters', '1', '--repeats', '1']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(proc.stdout)
+    assert rep["world_size"] == 1 and rep["device"] == "cpu"
+    assert {k: r["measured_kind"] for k, r in rep["kinds"].items()} == {k: k for k in rep["kinds"]}
+
+
 def test_alpha_beta_model_formulas_and_projection():
     # Adam fp32 on 2 workers, 1e6 params, 100 Mbit/s, no latency: 4 MB crosses once each way
     t = step_time("adam", n=1e6, p=2, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.5)
