@@ -1136,12 +1136,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
         Returns a dict with ``world_size``, ``rank``, ``layout`` (the collective prefix, a
         digest of the parameter layout) and per bucket float32 ``worker_error`` and
-        ``server_error``. See :mod:`hvd_zoadam.checkpoint` for files.
+        ``server_error``, copied to the CPU (no second copy on a GPU). See
+        :mod:`hvd_zoadam.checkpoint` for files.
         """
         return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
                 "layout": self._uid.split(".")[0],
-                "buckets": [{"worker_error": b.exchange.worker_error.clone(),
-                             "server_error": b.exchange.server_error.clone()} for b in self._buckets]}
+                "buckets": [{"worker_error": b.exchange.worker_error.to("cpu", copy=True),
+                             "server_error": b.exchange.server_error.to("cpu", copy=True)} for b in self._buckets]}
 
     def load_rank_state_dict(self, rank_state: dict | None) -> bool:
         """Restore :meth:`rank_state_dict`. Returns True when the buffers were restored.
