@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hvd_zoadam
+import hvd_zoadam.transport
 from hvd_zoadam import NonFiniteError, compressed_allreduce, padded_numel
 from hvd_zoadam.layout import segment_offsets
 from hvd_zoadam.native import reference
@@ -230,3 +231,12 @@ def test_buffer_checks_name_the_fix():
         run_threads(1, lambda r, t: compressed_allreduce(torch.zeros(3), torch.zeros(8, dtype=torch.float64),
                                                          torch.zeros(8), transport=t))
     assert hvd_zoadam.padded_numel(19, 3) == 24
+
+
+@pytest.mark.parametrize("which", ["worker_error", "server_error"])
+def test_error_buffers_on_another_device_than_the_tensor_are_refused_by_name(which):
+    t = hvd_zoadam.transport.ThreadGroup(1).transports()[0]
+    bufs = {"worker_error": torch.zeros(16), "server_error": torch.zeros(16)}
+    bufs[which] = torch.zeros(16, device="meta")
+    with pytest.raises(ValueError, match=f"{which} is on meta but the tensor is on cpu"):
+        compressed_allreduce(torch.ones(10), bufs["worker_error"], bufs["server_error"], transport=t)
