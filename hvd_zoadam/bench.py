@@ -382,7 +382,7 @@ def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s:
     n: parameters; p: workers; bandwidth_bps: link bits/s per direction; latency_s: alpha
     per message round; compute_s: forward + backward + optimizer per step. Collectives use
     the bandwidth-optimal ring/pairwise forms: allreduce of B bytes costs
-    2(p−1)·alpha + 2(p−1)/p·B/beta; the 1-bit exchange (spec §3) costs 3 rounds:
+    2(p−1)·alpha + 2(p−1)/p·B/beta; the 1-bit exchange (algorithm.md §3) costs 3 rounds:
     (p−1)·alpha for scales, alltoall (p−1)/p·N/8 bytes, allgather (p−1)·N/(8p) bytes, i.e.
     ~2(p−1)/p·n/8 bytes and 3(p−1)·alpha. ``frac``: share of steps of each kind
     (variance, compressed, local, sync); systems: "adam" (fp32), "adam-fp16", "1bit-adam",

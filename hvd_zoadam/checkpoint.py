@@ -1,4 +1,4 @@
-"""Checkpoints that resume 0/1 Adam exactly (spec §6).
+"""Checkpoints that resume 0/1 Adam exactly (algorithm.md §6).
 
 Two kinds of files, both written atomically (a temporary file in the same folder, then
 ``os.replace``), so a killed save never leaves a truncated checkpoint behind:

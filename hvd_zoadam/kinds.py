@@ -1,9 +1,9 @@
-"""The math of the four step kinds (spec §2) over flat float32 tensors of one bucket.
+"""The math of the four step kinds (algorithm.md §2) over flat float32 tensors of one bucket.
 
 No collectives here: the caller communicates and passes the results in. The op
 order of :func:`variance_step` follows ``torch.optim.Adam``'s single-tensor path
 (``lerp_``, ``mul_().addcmul_()``, denom, ``addcdiv_``), so the all-VARIANCE
-oracle of spec §2 holds to float rounding.
+oracle of algorithm.md §2 holds to float rounding.
 
 Shapes: every tensor argument is float32[n] (one bucket). ``lr``, ``weight_decay``
 and the betas are Python floats; ``step`` is t and ``exp_avg_sq_steps`` is k, the
@@ -12,7 +12,7 @@ number of VARIANCE steps so far (bias correction of v).
 Bias correction after the freeze: m̂ = m / (1 - β1^t) keeps its correction in
 every step. At a SYNC step the rebuilt momentum is stored as
 m = (1 - β1^t)·w/Λ, so that m̂ = w/Λ exactly, the lr-weighted average m̂ of the
-window (spec §2 SYNC step 6).
+window (algorithm.md §2 SYNC step 6).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _decay(param: torch.Tensor, h: Hyper) -> None:
 
 
 def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None, denom_out=None) -> None:
-    """VARIANCE (spec §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s.
+    """VARIANCE (algorithm.md §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s.
 
     ``mask`` (bool[n] or None): the momentum mask; coordinates where it is False keep m = 0.
     ``denom_out`` (float32[n] or None): a scratch for s (bitwise the same values), so that a

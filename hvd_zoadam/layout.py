@@ -1,4 +1,4 @@
-"""Padding and bucket layout: pure integer arithmetic (spec §3, §7 #7)."""
+"""Padding and bucket layout: pure integer arithmetic (algorithm.md §3, §7 #7)."""
 from __future__ import annotations
 
 import operator
@@ -44,7 +44,7 @@ def make_buckets(numels, cap_numel: int) -> list[list[int]]:
     """Split indices of ``numels`` (in order) into runs of at most ``cap_numel`` elements.
 
     A tensor larger than the cap gets a bucket of its own. Zero-element tensors are
-    left out: they take part in no collective (spec §5).
+    left out: they take part in no collective (algorithm.md §5).
     """
     buckets, current, size = [], [], 0
     for i, n in enumerate(numels):
@@ -65,7 +65,7 @@ def scale_segments(numels, block_numel: int | None) -> list[int]:
     ``block_numel`` elements (one scale each), or whole tensors when ``block_numel`` is None.
 
     Per-block scales follow the magnitude of each part of a tensor, which cuts the 1-bit
-    compression error where magnitudes vary inside a tensor (spec §3, "Scales").
+    compression error where magnitudes vary inside a tensor (algorithm.md §3, "Scales").
     """
     out = []
     for n in numels:

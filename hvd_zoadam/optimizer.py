@@ -103,7 +103,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     ``torch.optim.Adam``/``AdamW``; they are read at every step, so LR schedulers and
     manual changes take effect at once.
 
-    **Communication per step kind** (spec §2): VARIANCE averages g in full precision;
+    **Communication per step kind** (algorithm.md §2): VARIANCE averages g in full precision;
     COMPRESSED sends C(g); LOCAL sends nothing; SYNC sends C(accumulated update).
 
     **synchronize()** performs the gradient exchange of the coming step and writes its
@@ -497,7 +497,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                          "for new parameters")
 
     def _check_layout(self) -> None:
-        """Spec §5: compare settings and parameter layout across ranks; raise on every rank on a mismatch."""
+        """algorithm.md §5: compare settings and parameter layout across ranks; raise on every rank on a mismatch."""
         self._checked_layout = True
         if self.world_size == 1:
             return
@@ -710,7 +710,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         ``consume_packed`` is given, ``consume_packed(bucket, packed, server_scales)`` receives
         it still packed (a fused kernel then unpacks it). All buckets' scales are exchanged
         first, so a non-finite input anywhere skips every bucket before any error buffer
-        changes (spec §5). At P > 1 each bucket is filled once, into its exchange's own input
+        changes (algorithm.md §5). At P > 1 each bucket is filled once, into its exchange's own input
         buffer, which the worker side turns into the new error; at P = 1 with several buckets
         the shared scratch is filled again for the second phase (bitwise alike). ``started``
         (P > 1) maps ``id(bucket)`` to a round 1 the backward hooks already started from the
@@ -825,12 +825,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     # torch.amp.GradScaler calls step() on every rank, with grad_scale and found_inf set, instead of
     # deciding per rank whether to call it: every rank stays in lockstep, and a NaN/Inf on one rank
-    # skips a communicating step on all ranks together (spec §5).
+    # skips a communicating step on all ranks together (algorithm.md §5).
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One 0/1 Adam step of the kind the schedule gives (spec §2). Returns the closure's loss.
+        """One 0/1 Adam step of the kind the schedule gives (algorithm.md §2). Returns the closure's loss.
 
         Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``) the gradients are unscaled
         before any exchange, so the error buffers stay in unscaled units whatever the scale does.
@@ -884,7 +884,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         return loss
 
     def _enter_freeze(self, counters: dict) -> None:
-        """Spec §4 'At the freeze': zero both error buffers, anchor <- x, remember lr."""
+        """algorithm.md §4 'At the freeze': zero both error buffers, anchor <- x, remember lr."""
         counters["freeze_lr"] = float(self.param_groups[0]["lr"])
         for b in self._buckets:
             b.exchange.zero_errors()
@@ -1219,7 +1219,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     * ``sparse_as_dense``: sparse gradients are densified when True and refused otherwise.
     * ``process_set``: the ranks this optimizer trains with (default: all).
 
-    0/1 Adam's keyword-only knobs (spec §4): ``var_freeze_step`` (T_f, steps),
+    0/1 Adam's keyword-only knobs (algorithm.md §4): ``var_freeze_step`` (T_f, steps),
     ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
     (H_max, steps), ``local_step_policy`` (``"steps"``, ``"lr"`` or ``"constant"``),
     ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
@@ -1239,7 +1239,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     overflow; measured: a small CNN on digits went to NaN within 10 steps without it. It
     costs no memory. A coordinate that gets its first gradient after the freeze stays
     still; pass False to get DeepSpeed's behaviour), and ``precondition_compression``
-    (default True: compress g/s and x_a − x instead of the spec's g and (x_a − x)·s, so each
+    (default True: compress g/s and x_a − x instead of the paper's g and (x_a − x)·s, so each
     coordinate's compression error is proportional to its own Adam denominator s; with False
     a coordinate with a small v receives the block's error divided by its small s, which made
     a small CNN diverge here), and ``step_log`` (a path: append one JSON line per step with

@@ -1,4 +1,4 @@
-"""The two-phase 1-bit compressed allreduce C(y) of spec §3.
+"""The two-phase 1-bit compressed allreduce C(y) of algorithm.md §3.
 
 Per bucket (one or more tensors laid out as segments of one flat buffer):
 
@@ -9,7 +9,7 @@ Per bucket (one or more tensors laid out as segments of one flat buffer):
    per-block scales: :func:`hvd_zoadam.native.worker_compress`);
 2. round 1, allgather of the scales (float32[nseg] per rank). A non-finite scale
    on any rank means a non-finite input somewhere: every rank sees it and skips
-   the exchange together, leaving both error buffers untouched (spec §5);
+   the exchange together, leaving both error buffers untouched (algorithm.md §5);
 3. otherwise the new error becomes ``worker_error`` (the two buffers swap roles);
 4. round 2, alltoall of the packed bytes: chunk q (N/(8P) bytes) goes to rank q;
 5. server side on rank r for chunk r: ``c = (1/P)·Σ_i scale_i·sign_i + server_error``,
@@ -180,7 +180,7 @@ class Exchange:
 
 def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                          *, process_set=None, transport="auto", name: str | None = None) -> torch.Tensor:
-    """The two-phase 1-bit compressed allreduce C(y) of spec §3, for one tensor.
+    """The two-phase 1-bit compressed allreduce C(y) of algorithm.md §3, for one tensor.
 
     Every rank of the process set must call it with a tensor of the same shape.
 

@@ -1,4 +1,4 @@
-"""The step schedule of 0/1 Adam (spec §4): a pure object.
+"""The step schedule of 0/1 Adam (algorithm.md §4): a pure object.
 
 From the step number t (1, 2, ...) and the config, :meth:`Schedule.kind` says what
 kind of step t is, so every rank agrees with no communication. Nothing here imports
@@ -6,7 +6,7 @@ torch or horovod, and nothing is stored: the variance intervals follow from t
 alone, and the local-step interval from t (``"steps"`` and ``"constant"``
 policies) or from the current and the freeze-time learning rate (``"lr"``).
 A checkpoint therefore only needs t (and the freeze-time lr), and a reload can
-never reset a schedule (spec §7 #6).
+never reset a schedule (algorithm.md §7 #6).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ LOCAL_STEP_POLICIES = ("steps", "lr", "constant")
 
 
 class StepKind(enum.Enum):
-    """The four kinds of step of spec §2."""
+    """The four kinds of step of algorithm.md §2."""
 
     VARIANCE = "variance"      #: before the freeze, t in T_v: full-precision average of g
     COMPRESSED = "compressed"  #: before the freeze, t not in T_v: 1-bit allreduce of g
@@ -38,7 +38,7 @@ def check_positive_int(value, name: str, hint: str = "") -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    """T_v and T_u of spec §4.
+    """T_v and T_u of algorithm.md §4.
 
     Args:
         var_freeze_step: T_f (steps, >= 1). Steps t <= T_f are before the variance freeze.

@@ -1,6 +1,6 @@
 """In-process oracle: P workers of the 1-bit exchange and of 0/1 Adam in plain torch loops.
 
-Built only on :mod:`hvd_zoadam.native.reference` and the spec's formulas, with no
+Built only on :mod:`hvd_zoadam.native.reference` and the paper's formulas, with no
 transport, threads or Numba, so the tests can compare the real multi-process
 product against it. Each worker is a list of tensors; one bucket holds all of
 them as segments, in order (as the optimizer lays out a model smaller than its
@@ -56,11 +56,11 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
 def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
                     precondition=True, auto_mask=True):
-    """0/1 Adam (spec §2) on P simulated workers, one bucket of all ``params``, with one
+    """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
     ``precondition`` and ``auto_mask`` mirror the optimizer's ``precondition_compression``
-    and ``auto_exp_avg_mask``; with both False this is the spec's algorithm to the letter.
+    and ``auto_exp_avg_mask``; with both False this is the paper's algorithm to the letter.
 
     Args:
         params: list of float32 tensors, the common initial x.

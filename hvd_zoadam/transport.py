@@ -1,4 +1,4 @@
-"""Collectives for the 1-bit exchange, with byte and round counters (spec §3).
+"""Collectives for the 1-bit exchange, with byte and round counters (algorithm.md §3).
 
 A transport moves 1-D contiguous tensors among the ranks of one process set.
 ``HorovodTransport`` uses Horovod's own collectives (``hvd.alltoall``,
@@ -295,7 +295,7 @@ def _mpi_comm(process_set):
 
 
 class MPITransport(HorovodTransport):
-    """The 1-bit phases over mpi4py on Horovod's own MPI world (spec §3 rounds 1–3).
+    """The 1-bit phases over mpi4py on Horovod's own MPI world (algorithm.md §3 rounds 1–3).
 
     ``Iallgather``/``Ialltoall`` on a communicator per process set, each polled against
     the same deadline as :class:`HorovodTransport`. The full-precision averages of the

@@ -1,4 +1,4 @@
-"""Kernels of the 1-bit compressor (spec §3), shipped as ``hvd_zoadam.native``.
+"""Kernels of the 1-bit compressor (algorithm.md §3), shipped as ``hvd_zoadam.native``.
 
 One signature per kernel, dispatched on the tensor's device. The semantics are
 defined by :mod:`hvd_zoadam.native.reference` (plain torch); :mod:`.cpu` holds the
@@ -147,8 +147,8 @@ def _on_cuda(*tensors) -> bool:
 def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: torch.Tensor) -> torch.Tensor:
     """Pass 1 of the worker side: ``out[i] = ||(y + worker_error)[segment i]||_2 / sqrt(len_i)``.
 
-    Sums in float64 (spec §3). ``out``: float32[nseg]. Returns ``out``. A NaN/Inf in the
-    input makes that segment's scale non-finite (the agreed-skip signal of spec §5).
+    Sums in float64 (algorithm.md §3). ``out``: float32[nseg]. Returns ``out``. A NaN/Inf in the
+    input makes that segment's scale non-finite (the agreed-skip signal of algorithm.md §5).
     """
     if _on_cuda(y, worker_error, out):
         from . import cuda as _cuda
@@ -172,7 +172,7 @@ def worker_pack(y, worker_error, plan: Plan, scales, packed, error_out=None) -> 
 
 
 def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None) -> torch.Tensor:
-    """The whole worker side of spec §3: ``scales`` (float32[nseg]) as :func:`worker_scales`,
+    """The whole worker side of algorithm.md §3: ``scales`` (float32[nseg]) as :func:`worker_scales`,
     ``packed`` and the new error into ``error_out`` as :func:`worker_pack`. Returns ``packed``.
 
     When no segment is longer than ``cpu.BLOCK`` (4096) elements (hvd_zoadam's per-block
@@ -181,7 +181,7 @@ def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None)
     CUDA (:func:`cuda.compress_fused`) one thread block per group of segments holds them in
     shared memory. Both give the same scales, bits and errors as their two passes. Otherwise,
     two passes. With ``error_out`` distinct from ``worker_error`` the input error stays as it
-    was, so that a step all ranks agree to skip can leave it untouched (spec §5).
+    was, so that a step all ranks agree to skip can leave it untouched (algorithm.md §5).
     """
     eo = worker_error if error_out is None else error_out
     if plan.groups is not None and len(plan.groups) and _on_cuda(y, worker_error, eo, scales, packed):
@@ -200,7 +200,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, sca
 
     ``recv``: uint8[P, C/8]; ``all_worker_scales``: float32[P, nseg]; writes
     ``packed`` uint8[C/8] and ``scales`` float32[nseg] (per piece of this chunk),
-    and sets ``server_error <- c - scale*sign`` (spec §3, server side). Returns
+    and sets ``server_error <- c - scale*sign`` (algorithm.md §3, server side). Returns
     ``(packed, scales)``.
     """
     if _on_cuda(recv, all_worker_scales, server_error, packed, scales):
@@ -230,7 +230,7 @@ def decompress(packed, all_server_scales, plan: Plan, out) -> torch.Tensor:
 
 
 def decompress_momentum(packed, all_server_scales, plan: Plan, exp_avg, beta1: float) -> torch.Tensor:
-    """COMPRESSED step 2 (spec §2) straight from the packed result, without materialising ĝ:
+    """COMPRESSED step 2 (algorithm.md §2) straight from the packed result, without materialising ĝ:
     ``exp_avg <- exp_avg + (1 - beta1) * (ĝ - exp_avg)`` (``torch.lerp`` form, float32).
 
     ``exp_avg``: float32[n]. Returns ``exp_avg``.
@@ -265,7 +265,7 @@ def all_finite_many(tensors) -> bool:
 
 def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:
     """In place, ``y <- clamp(y, -bound, bound)``, except that a NaN/Inf in ``y`` must still
-    reach the scales (spec §5: the agreed skip). On the CPU one read-only check, then the
+    reach the scales (algorithm.md §5: the agreed skip). On the CPU one read-only check, then the
     clamp only when all is finite; elsewhere no host synchronisation (it runs inside the
     backward hooks): ±Inf become NaN, which the clamp keeps. Bitwise ``clamp_`` for finite
     ``y``. ``y``: float32[n]. Returns ``y``."""
@@ -289,7 +289,7 @@ def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
 
 
 def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product: float = 1.0) -> None:
-    """SYNC steps 5-7 (spec §2) from an unpacked ``w`` in parameter units (preconditioned, no
+    """SYNC steps 5-7 (algorithm.md §2) from an unpacked ``w`` in parameter units (preconditioned, no
     mask): the window's decay on the anchor (``anchor ← anchor·decay_product``), then
     ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
     ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.kinds.sync_finish` with
@@ -306,7 +306,7 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
 
 
 def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:
-    """SYNC steps 2-3 (spec §2) in parameter units: ``out = anchor·decay_product − param``
+    """SYNC steps 2-3 (algorithm.md §2) in parameter units: ``out = anchor·decay_product − param``
     (the anchor itself unchanged), bitwise :func:`hvd_zoadam.kinds.sync_prepare` with
     ``preconditioned=True``; one pass on the CPU instead of two. All float32[n]. Returns ``out``."""
     if _cpu_kernels(param, anchor, out):
@@ -322,7 +322,7 @@ _NO_MASK = np.zeros(0, dtype=np.bool_)
 
 def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp_avg, denom, factor: float,
                     decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
-    """SYNC steps 5-7 (spec §2) straight from the packed result w, bitwise as
+    """SYNC steps 5-7 (algorithm.md §2) straight from the packed result w, bitwise as
     :func:`hvd_zoadam.kinds.sync_finish` after ``anchor.mul_(decay_product)``:
 
     w <- w·mask; x_a <- x_a·decay_product; preconditioned: x = x_a − w, m = (w·s)·factor;

@@ -12,7 +12,7 @@ How they reach memory speed on one core:
 * Work is cut into blocks of ``BLOCK`` elements that stay in L1. Per segment piece
   of a block, one branch-free loop computes z once, writes its sign as a byte to a
   block-local scratch and updates the error; the block's bytes of bits are then
-  assembled 8 at a time (MSB first, spec §3) by one multiplication each (:func:`_pack8`). The inputs cross memory once per pass.
+  assembled 8 at a time (MSB first, algorithm.md §3) by one multiplication each (:func:`_pack8`). The inputs cross memory once per pass.
   (An earlier version packed 64 signs into a uint64 in a segment-agnostic loop and
   recomputed z for the error update: 1.45x slower.)
 * The worker side runs in one pass over memory when no segment is longer than
@@ -47,7 +47,7 @@ if sys.byteorder != "little":  # _pack8 reads 8 sign bytes as one little-endian 
 
 TASK_NUMEL = 1 << 16
 BLOCK = 1 << 12          # elements per block of the packing kernel; a multiple of 8
-_FM = {"reassoc", "contract"}  # never "nnan"/"ninf": a NaN must reach the scales (spec §5)
+_FM = {"reassoc", "contract"}  # never "nnan"/"ninf": a NaN must reach the scales (algorithm.md §5)
 
 
 def make_tasks(offsets: np.ndarray, lo: int, hi: int, task_numel: int = TASK_NUMEL,
@@ -353,7 +353,7 @@ def compress_fused(y, e, e_out, offsets, groups, scales, packed, part_idx, part_
 @njit(parallel=True, cache=True)
 def server_average(recv, wscales, server_error, tasks, chunk_start, partial):
     """server_error <- c = (sum_p wscale_p*sign_p) / P + server_error on the real elements of
-    the chunk (spec §3), and partial[t] = float64 sum of c**2 over task t (for the scales).
+    the chunk (algorithm.md §3), and partial[t] = float64 sum of c**2 over task t (for the scales).
 
     No fastmath here: the sum over p must stay in rank order, bitwise as the reference. Per
     task, rank p's bits are added into a task-local float32 accumulator a whole byte at a time
@@ -478,7 +478,7 @@ def _sync_momentum_units(packed, sscales, tasks, chunk_numel, anchor, param, exp
 
 def decompress_sync(packed, sscales, tasks, chunk_numel, anchor, param, exp_avg, denom, mask,
                     decay_product, factor, preconditioned):
-    """SYNC steps 5-7 (spec §2) from the packed result w, bitwise as ``kinds.sync_finish``:
+    """SYNC steps 5-7 (algorithm.md §2) from the packed result w, bitwise as ``kinds.sync_finish``:
 
     anchor <- anchor * decay_product (when != 1; a numpy pass of its own, as the torch path);
     w <- w * mask (when ``mask`` is non-empty); preconditioned: param = anchor - w,

@@ -360,7 +360,7 @@ def _reduce_scales(seg_ptr, partial, offsets, lo, hi, scales):
 
 @cuda.jit
 def _server_average(recv, wscales, server_error, chunk_start, offsets):
-    """server_error[i] <- (sum_p ±wscale[p, seg]) / P + server_error[i], rank order (spec §3)."""
+    """server_error[i] <- (sum_p ±wscale[p, seg]) / P + server_error[i], rank order (algorithm.md §3)."""
     seg_sh = cuda.shared.array(1, dtype=int64)
     tid = cuda.threadIdx.x
     i0 = cuda.blockIdx.x * TPB
@@ -441,7 +441,7 @@ def _unpacked(packed, sscales, offsets, chunk_numel, seg0, j):
 def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weight, anchor, param, denom, mask,
                 factor, has_mask):
     """mode 0: out[j] = ĝ_j; mode 1: exp_avg lerp toward ĝ; mode 2: SYNC rebuild (preconditioned);
-    mode 3: SYNC rebuild (spec's momentum units). See cpu.decompress*."""
+    mode 3: SYNC rebuild (the paper's momentum units). See cpu.decompress*."""
     seg_sh = cuda.shared.array(1, dtype=int64)
     tid = cuda.threadIdx.x
     j0 = cuda.blockIdx.x * TPB

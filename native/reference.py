@@ -1,4 +1,4 @@
-"""Reference semantics of the 1-bit compressor, in plain torch (spec §3).
+"""Reference semantics of the 1-bit compressor, in plain torch (algorithm.md §3).
 
 This module owns the bit layout and the arithmetic. The Numba kernels in
 ``cpu.py`` must reproduce it bit for bit, given the same scales; the scales
@@ -75,7 +75,7 @@ def worker_pack(y, worker_error, offsets, scales) -> torch.Tensor:
 
 def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_error: torch.Tensor,
                   offsets, chunk_start: int):
-    """Server side for one chunk (spec §3).
+    """Server side for one chunk (algorithm.md §3).
 
     Args:
         recv: uint8[P, chunk_numel/8], the chunk as packed by ranks 0..P-1.
@@ -123,7 +123,7 @@ def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets, n
 
 
 def decompress_momentum(packed, all_server_scales, offsets, exp_avg: torch.Tensor, beta1: float) -> torch.Tensor:
-    """COMPRESSED step 2 (spec §2) from the packed result: ``exp_avg <- exp_avg + (1-β1)·(ĝ - exp_avg)``.
+    """COMPRESSED step 2 (algorithm.md §2) from the packed result: ``exp_avg <- exp_avg + (1-β1)·(ĝ - exp_avg)``.
 
     Each operation rounds to float32 once, in this order (the kernels do the same).
     ``exp_avg``: float32[n], updated in place and returned.
@@ -135,7 +135,7 @@ def decompress_momentum(packed, all_server_scales, offsets, exp_avg: torch.Tenso
 
 def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_avg, denom, factor: float,
                     decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
-    """SYNC steps 5-7 (spec §2) from the packed result w: see :func:`hvd_zoadam.kinds.sync_finish`,
+    """SYNC steps 5-7 (algorithm.md §2) from the packed result w: see :func:`hvd_zoadam.kinds.sync_finish`,
     after ``anchor.mul_(decay_product)``. ``factor`` = (1 − β1^t)/Λ."""
     w = decompress(packed, all_server_scales, offsets, anchor.numel())
     if mask is not None:

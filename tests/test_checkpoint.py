@@ -1,4 +1,4 @@
-"""Checkpoints resume exactly (spec §6, BH-25): same world size bitwise, other world sizes consistently."""
+"""Checkpoints resume exactly (algorithm.md §6, BH-25): same world size bitwise, other world sizes consistently."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Agreed skips on non-finite gradients, GradScaler, half-precision models (spec §5; BH-02/15/24)."""
+"""Agreed skips on non-finite gradients, GradScaler, half-precision models (algorithm.md §5; BH-02/15/24)."""
 from __future__ import annotations
 
 import sys

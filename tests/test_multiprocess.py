@@ -75,7 +75,7 @@ def test_non_finite_input_raises_on_every_rank_and_leaves_buffers(job):
 
 
 def test_all_variance_steps_equal_horovod_adam(job):
-    """Spec §2 oracle: with every step a VARIANCE step, 0/1 Adam is hvd.DistributedOptimizer(Adam)."""
+    """algorithm.md §2 oracle: with every step a VARIANCE step, 0/1 Adam is hvd.DistributedOptimizer(Adam)."""
     p, ranks = job
     for r in ranks:
         for key, res in r["adam_oracle"].items():

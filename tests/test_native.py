@@ -1,4 +1,4 @@
-"""The Numba CPU kernels against the torch reference and hand-computed bit layouts (spec §3)."""
+"""The Numba CPU kernels against the torch reference and hand-computed bit layouts (algorithm.md §3)."""
 from __future__ import annotations
 
 import numpy as np

@@ -56,7 +56,7 @@ def train_threads(p, steps, cls=torch.optim.Adam, wd=0.0, lr_fn=None, record=Fal
 @pytest.mark.parametrize("cls, wd", [(torch.optim.Adam, 0.0), (torch.optim.Adam, 0.05), (torch.optim.AdamW, 0.05)])
 @pytest.mark.parametrize("spec_raw", [False, True], ids=["default", "spec-raw"])
 def test_equals_the_simulation_bitwise(p, cls, wd, spec_raw):
-    """The product against the plain-loop oracle, in hvd_zoadam's default mode and in the spec's raw mode."""
+    """The product against the plain-loop oracle, in hvd_zoadam's default mode and in the paper's raw mode."""
     steps = 26
     flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
     got = train_threads(p, steps, cls, wd, **flags)
@@ -86,7 +86,7 @@ def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, spec_raw):
 
 
 def test_p1_compressed_steps_use_the_raw_gradient_and_send_nothing():
-    """Spec §7 #2: with P = 1 COMPRESSED steps update m with g itself (DeepSpeed skipped it)."""
+    """algorithm.md §7 #2: with P = 1 COMPRESSED steps update m with g itself (DeepSpeed skipped it)."""
     (params, opt, trace), = train_threads(1, 6, record=True, var_freeze_step=100, var_update_scaler=2)
     assert [k for k, _ in trace] == [StepKind.VARIANCE, StepKind.VARIANCE, StepKind.COMPRESSED,
                                      StepKind.VARIANCE, StepKind.COMPRESSED, StepKind.VARIANCE]
@@ -500,7 +500,7 @@ def test_two_optimizers_over_one_model():
 
 
 def test_a_gradient_missing_on_one_rank_counts_as_zero():
-    """Spec §5: a parameter with no gradient on some rank takes part as zeros, in lockstep."""
+    """algorithm.md §5: a parameter with no gradient on some rank takes part as zeros, in lockstep."""
     def grads(step, rank, xs):
         full = common.grads_at(step, rank, xs)
         if rank == 1:

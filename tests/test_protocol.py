@@ -1,4 +1,4 @@
-"""The two-phase exchange over thread-ranks against the in-process simulation (spec §3, BH-20/24/28/30)."""
+"""The two-phase exchange over thread-ranks against the in-process simulation (algorithm.md §3, BH-20/24/28/30)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Spec §4 schedules, checked against exact step lists."""
+"""algorithm.md §4 schedules, checked against exact step lists."""
 from __future__ import annotations
 
 import pytest

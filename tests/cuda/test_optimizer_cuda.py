@@ -105,7 +105,7 @@ def test_optimizer_on_the_cuda_path_equals_the_simulation(p, config):
 @pytest.mark.parametrize("p, dtype", [(2, torch.float32), (3, torch.float16)])
 def test_compressed_allreduce_on_the_cuda_path_equals_the_reference(p, dtype):
     """Three calls of ``hvd_zoadam.compressed_allreduce`` carry the error buffers along: the
-    results and both error buffers against the torch reference of spec §3."""
+    results and both error buffers against the torch reference of algorithm.md §3."""
     n = 1000
 
     def body(rank, transport):
