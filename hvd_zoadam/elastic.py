@@ -2,8 +2,9 @@
 
 ``hvd.elastic.TorchState(model=model, optimizer=opt)`` picks a state handler per attribute
 type from Horovod's handler registry. :func:`register_state_handler` puts
-:class:`ZeroOneAdamStateHandler` first for :class:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer`;
-``hvd_zoadam.DistributedOptimizer`` calls it, so users write nothing extra. The handler
+``ZeroOneAdamStateHandler`` first for the optimizer class it is given
+(:class:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer`); ``hvd_zoadam.DistributedOptimizer``
+calls it, so users write nothing extra. This module imports nothing of hvd_zoadam. The handler
 is Horovod's optimizer handler (deep copy of ``state_dict()`` on commit,
 ``load_state_dict`` on restore) whose ``sync()`` first calls
 :meth:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer.on_reset` on every rank, then
@@ -12,22 +13,21 @@ the schedule counters come from rank 0 and the error buffers fit the new world s
 """
 from __future__ import annotations
 
-_registered = False
+_registered: set = set()  # optimizer classes registered so far
 
 
-def register_state_handler() -> bool:
-    """Register :class:`ZeroOneAdamStateHandler` with ``horovod.torch.elastic``. Idempotent.
+def register_state_handler(optimizer_cls) -> bool:
+    """Register ``ZeroOneAdamStateHandler`` for ``optimizer_cls`` (a class with an
+    ``on_reset()`` method) with ``horovod.torch.elastic``. Idempotent.
 
     Returns False when Horovod's elastic module cannot be imported (nothing registered).
     """
-    global _registered
-    if _registered:
+    if optimizer_cls in _registered:
         return True
     try:
         from horovod.torch.elastic import state as elastic_state
     except ImportError:
         return False
-    from .optimizer import ZeroOneAdamOptimizer
 
     class ZeroOneAdamStateHandler(elastic_state.OptimizerStateHandler):
         """Horovod's optimizer handler, plus a re-layout for the current world in ``sync()``."""
@@ -36,7 +36,6 @@ def register_state_handler() -> bool:
             self.value.on_reset()
             super().sync()
 
-    elastic_state.get_handler_registry().insert(0, (ZeroOneAdamOptimizer, ZeroOneAdamStateHandler))
-    globals()["ZeroOneAdamStateHandler"] = ZeroOneAdamStateHandler
-    _registered = True
+    elastic_state.get_handler_registry().insert(0, (optimizer_cls, ZeroOneAdamStateHandler))
+    _registered.add(optimizer_cls)
     return True

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .native import reference
+
 
 @dataclass(frozen=True)
 class Hyper:
@@ -106,7 +108,7 @@ def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned
     (``anchor`` itself is left as it is).
 
     ``preconditioned`` (hvd_zoadam's default): u = x_a − x, in parameter units. Otherwise the
-    spec's u = (x_a − x)·s, in momentum units. The two carry the same information; they differ
+    paper's u = (x_a − x)·s, in momentum units. The two carry the same information; they differ
     in where the 1-bit compression error lands (see the README, "Compression domain").
     """
     if decay_product != 1.0:   # anchor·Π(1 − γλ) − x without touching the anchor (sync_finish decays it)
@@ -125,12 +127,4 @@ def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper, mask=
     With a ``mask``, w is zeroed where it is False first: sign compression cannot send an
     exact 0, so masked coordinates would otherwise move by ±scale/s at every sync.
     """
-    if mask is not None:
-        w.mul_(mask)
-    if preconditioned:
-        torch.sub(anchor, w, out=param)
-        torch.mul(w, denom, out=exp_avg).mul_(h.bias_correction1 / lr_sum)
-    else:
-        torch.sub(anchor, w / denom, out=param)
-        torch.mul(w, h.bias_correction1 / lr_sum, out=exp_avg)
-    anchor.copy_(param)
+    reference.sync_rebuild(w, anchor, param, exp_avg, denom, h.bias_correction1 / lr_sum, 1.0, mask, preconditioned)

@@ -19,36 +19,13 @@ from . import kinds, native
 from .layout import make_buckets, scale_segments
 from .protocol import Exchange
 from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_int
-from .transport import TRANSPORTS, HorovodTransport, MPITransport, Transport, mpi_unavailable_reason
+from .elastic import register_state_handler
+from .transport import Transport, make_transport
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 _KIND_NAMES = [k.value for k in StepKind]
 _prefix_counts: dict = {}  # layout digest -> optimizers built over it in this process
 _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
-
-
-def make_transport(transport, process_set=None) -> Transport:
-    """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
-
-    Raises:
-        ValueError: unknown name, or Horovod not initialised, or this rank outside the set.
-    """
-    if isinstance(transport, Transport):
-        return transport
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
-    import horovod.torch as hvd
-    if not hvd.is_initialized():
-        raise ValueError("Horovod has not been initialized; call hvd.init() before building "
-                         "hvd_zoadam.DistributedOptimizer or calling compressed_allreduce")
-    process_set = hvd.global_process_set if process_set is None else process_set
-    if not process_set.included():
-        raise ValueError(f"this rank ({hvd.rank()}) is not in the process_set {process_set}; build the "
-                         "optimizer only on the ranks of the process set it trains with")
-    native.configure_threads(hvd.local_size())
-    if transport == "mpi" or (transport == "auto" and mpi_unavailable_reason() is None):
-        return MPITransport(process_set)
-    return HorovodTransport(process_set)
 
 
 @dataclass
@@ -1269,8 +1246,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
             raise
         hvd = None  # an explicit transport (e.g. thread-ranks in tests) needs no Horovod
 
-    from .elastic import register_state_handler
-    register_state_handler()
+    register_state_handler(ZeroOneAdamOptimizer)
     if isinstance(optimizer, ZeroOneAdamOptimizer):
         raise TypeError("this optimizer is already an hvd_zoadam optimizer; wrap the plain torch.optim.Adam once")
     if type(optimizer).__module__ == "horovod.torch.optimizer":

@@ -26,7 +26,7 @@ import torch
 
 from . import native
 from .layout import padded_numel, segment_offsets
-from .transport import Transport
+from .transport import Transport, make_transport
 
 
 class NonFiniteError(FloatingPointError):
@@ -203,8 +203,6 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         NonFiniteError: a NaN/Inf reached the exchange on some rank; raised on every
             rank together, with both error buffers untouched.
     """
-    from .optimizer import make_transport  # late: avoids importing horovod for pure users
-
     t = make_transport(transport, process_set)
     n, p = tensor.numel(), t.world_size
     want_w, want_s = padded_numel(n, p), padded_numel(n, p) // p

@@ -176,12 +176,9 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             if mask is not None:
                 w = w * mask
             for r in range(world_size):
-                if precondition:
-                    xs[r] = anchor - w
-                    m[r] = (w * denom) * (bc1 / lr_sum)
-                else:
-                    xs[r] = anchor - w / denom
-                    m[r] = w * (bc1 / lr_sum)
+                xs[r], m[r] = torch.empty(n), torch.empty(n)
+                reference.sync_rebuild(w, anchor.clone(), xs[r], m[r], denom, bc1 / lr_sum,
+                                       preconditioned=precondition)
             if mask is not None:
                 mask_errors(mask)
             anchor = xs[0].clone()

@@ -25,10 +25,11 @@ import os
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-TRANSPORTS = ("auto", "horovod", "mpi")
+TRANSPORTS = ("auto", "horovod", "mpi")  # the names the ``transport`` argument accepts
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -64,8 +65,55 @@ class CommCounter:
         self.rounds[self.kind] += rounds
 
 
+@dataclass
+class Done:
+    """The handle of a collective that completed inside ``start()``."""
+
+    result: torch.Tensor
+
+
+@dataclass
+class HorovodHandle:
+    """A Horovod async collective in flight."""
+
+    handle: int
+    op: str
+    name: str
+    nbytes: int
+
+
+@dataclass
+class MPIHandle:
+    """An mpi4py nonblocking collective in flight, with its receive buffers.
+
+    ``host_recv`` is what MPI writes (pinned host memory when CUDA tensors are staged);
+    ``device_recv`` the CUDA tensor to copy it into at ``wait()`` (None without staging);
+    ``host_send`` keeps the staged send buffer alive until then."""
+
+    request: object
+    op: str
+    name: str
+    nbytes: int
+    recv: torch.Tensor
+    host_recv: torch.Tensor
+    device_recv: torch.Tensor | None
+    host_send: torch.Tensor
+
+
+@dataclass
+class ThreadHandle:
+    """A :class:`ThreadTransport` collective: the k-th start of ``name`` on every rank."""
+
+    op: str
+    key: tuple
+    tensor: torch.Tensor
+
+
 class Transport:
-    """Base class: rank, world size and counted collectives on 1-D tensors."""
+    """Base class: rank, world size and counted collectives on 1-D tensors.
+
+    Subclasses implement :meth:`_start` (returning a handle), :meth:`wait` and
+    :meth:`allgather_object`."""
 
     name = "base"
     supports_async = False  # True: start() returns before the peers arrive (overlap is possible)
@@ -112,12 +160,11 @@ class Transport:
         return self._start(op, tensor, name)
 
     def _start(self, op, tensor, name):
-        fn = {"allgather": self._allgather, "alltoall": self._alltoall, "allreduce": self._allreduce_average_}[op]
-        return ("done", fn(tensor, name))
+        raise NotImplementedError
 
     def wait(self, handle) -> torch.Tensor:
         """The result of a started collective; raises :class:`CollectiveTimeoutError` past the deadline."""
-        return handle[1]
+        raise NotImplementedError
 
     def allgather_object(self, obj, name: str) -> list:
         """Every rank's picklable ``obj``, in rank order (uncounted: set-up only)."""
@@ -174,7 +221,8 @@ class HorovodTransport(Transport):
     def _nbytes(self, tensor):
         return tensor.numel() * tensor.element_size()
 
-    def _start(self, op, tensor, name):
+    def _start_horovod(self, op, tensor, name) -> HorovodHandle:
+        """Start ``op`` on Horovod's collectives (whatever a subclass does with :meth:`_start`)."""
         hvd, ps = self._hvd, self.process_set
         if op == "allgather":
             handle = hvd.allgather_async(tensor, name=name, process_set=ps)
@@ -182,20 +230,25 @@ class HorovodTransport(Transport):
             handle = hvd.alltoall_async(tensor, name=name, process_set=ps)
         else:
             handle = hvd.allreduce_async_(tensor, op=hvd.Average, name=name, process_set=ps)
-        return ("horovod", handle, op, name, self._nbytes(tensor))
+        return HorovodHandle(handle, op, name, self._nbytes(tensor))
+
+    def _start(self, op, tensor, name):
+        return self._start_horovod(op, tensor, name)
+
+    def _wait_horovod(self, handle: HorovodHandle):
+        out = self._wait(handle.handle, handle.op, handle.name, handle.nbytes)
+        return out[0] if handle.op == "alltoall" else out
 
     def wait(self, handle):
-        if handle[0] == "done":
-            return handle[1]
-        _, h, op, name, nbytes = handle
-        out = self._wait(h, op, name, nbytes)
-        return out[0] if op == "alltoall" else out
-
-    def _allgather(self, tensor, name):
-        return HorovodTransport.wait(self, HorovodTransport._start(self, "allgather", tensor, name))
+        if isinstance(handle, Done):
+            return handle.result
+        return self._wait_horovod(handle)
 
     def allgather_object(self, obj, name):
-        return _allgather_object_via_bytes(HorovodTransport._allgather.__get__(self), obj, name)
+        """Over Horovod's allgather under every subclass (set-up only, paired by name)."""
+        def gather(tensor, part_name):
+            return self._wait_horovod(self._start_horovod("allgather", tensor, part_name))
+        return _allgather_object_via_bytes(gather, obj, name)
 
 
 def _allgather_object_via_bytes(gather, obj, name: str) -> list:
@@ -358,7 +411,7 @@ class MPITransport(HorovodTransport):
 
     def _start(self, op, tensor, name):
         if op == "allreduce":  # the fp32 averages stay on Horovod's fused allreduce
-            return HorovodTransport._start(self, op, tensor, name)
+            return self._start_horovod(op, tensor, name)
         if self._comm is None:
             self._comm = _mpi_comm(self.process_set)
         MPI = self._MPI
@@ -370,12 +423,12 @@ class MPITransport(HorovodTransport):
         host_recv, device_recv = self._host(recv, (name, "recv"), send=False)
         sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
         request = (self._comm.Iallgather if op == "allgather" else self._comm.Ialltoall)(sbuf, rbuf)
-        return ("mpi", request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
+        return MPIHandle(request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
 
     def wait(self, handle):
-        if handle[0] != "mpi":
-            return HorovodTransport.wait(self, handle)
-        _, request, op, name, nbytes, recv, host_recv, device_recv, _ = handle
+        if not isinstance(handle, MPIHandle):
+            return super().wait(handle)
+        request, op, name, nbytes = handle.request, handle.op, handle.name, handle.nbytes
         # MPI moves a nonblocking collective's data only inside MPI calls (no progress thread
         # with the TCP transport), so poll without sleeping: a sleeping poll left the link idle
         # between calls (measured on a 100 Mbit/s link: 0.69 steps/s instead of ...). sleep(0)
@@ -389,9 +442,9 @@ class MPITransport(HorovodTransport):
                     f"{self.timeout_s:g} s on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or "
                     "the ranks issue different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
             time.sleep(0)
-        if device_recv is not None:
-            device_recv.copy_(host_recv)
-        return recv
+        if handle.device_recv is not None:
+            handle.device_recv.copy_(handle.host_recv)
+        return handle.recv
 
 
 class ThreadGroup:
@@ -448,12 +501,12 @@ class ThreadTransport(Transport):
             entry = g.pending.setdefault((name, k), {"values": [None] * self.world_size, "left": self.world_size})
             entry["values"][self.rank] = tensor.clone()
             g.cond.notify_all()
-        return ("thread", op, (name, k), tensor)
+        return ThreadHandle(op, (name, k), tensor)
 
     def wait(self, handle):
-        if handle[0] == "done":
-            return handle[1]
-        _, op, key, tensor = handle
+        if isinstance(handle, Done):
+            return handle.result
+        op, key, tensor = handle.op, handle.key, handle.tensor
         g = self.group
         with g.cond:
             entry = g.pending[key]
@@ -476,20 +529,36 @@ class ThreadTransport(Transport):
             total += p
         return tensor.copy_(total / self.world_size)
 
-    def _allgather(self, tensor, name):
-        return torch.cat(self._exchange(tensor))
-
-    def _alltoall(self, tensor, name):
-        parts = self._exchange(tensor)
-        n = tensor.numel() // self.world_size
-        return torch.cat([p[self.rank * n:(self.rank + 1) * n] for p in parts])
-
-    def _allreduce_average_(self, tensor, name):
-        parts = self._exchange(tensor)
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total += p
-        return tensor.copy_(total / self.world_size)
-
     def allgather_object(self, obj, name):
         return self._exchange(obj)
+
+
+def make_transport(transport, process_set=None) -> Transport:
+    """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
+
+    ``transport``: a :class:`Transport` (returned as it is), or one of :data:`TRANSPORTS`:
+    ``"mpi"`` (:class:`MPITransport`), ``"horovod"`` (:class:`HorovodTransport`), ``"auto"``
+    (``"mpi"`` where :func:`mpi_unavailable_reason` finds nothing against it).
+
+    Raises:
+        ValueError: unknown name, or Horovod not initialised, or this rank outside the set,
+            or ``"mpi"`` where it cannot work (the reason named).
+    """
+    if isinstance(transport, Transport):
+        return transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
+    import horovod.torch as hvd
+
+    from . import native
+    if not hvd.is_initialized():
+        raise ValueError("Horovod has not been initialized; call hvd.init() before building "
+                         "hvd_zoadam.DistributedOptimizer or calling compressed_allreduce")
+    process_set = hvd.global_process_set if process_set is None else process_set
+    if not process_set.included():
+        raise ValueError(f"this rank ({hvd.rank()}) is not in the process_set {process_set}; build the "
+                         "optimizer only on the ranks of the process set it trains with")
+    native.configure_threads(hvd.local_size())
+    if transport == "mpi" or (transport == "auto" and mpi_unavailable_reason() is None):
+        return MPITransport(process_set)
+    return HorovodTransport(process_set)

@@ -78,19 +78,11 @@ class Plan:
         # split only pieces longer than cpu.TASK_NUMEL), so it has one scale.
         self.server_groups = (cpu.make_groups(np.concatenate([self.server_tasks[:1, 1], self.server_tasks[:, 2]]))
                               if len(self.server_tasks) else None)
-        self._part_idx = np.zeros((ng, 2), dtype=np.int64)
-        self._part_val = np.zeros((ng, 2), dtype=np.uint8)
-        self._worker_partial = np.zeros(len(self.worker_tasks), dtype=np.float64)
-        self._server_partial = np.zeros(len(self.server_tasks), dtype=np.float64)
-        self._device = {}
-
-    def on(self, device: torch.device) -> dict:
-        """The plan's index arrays on ``device`` (CUDA), copied once and cached."""
-        key = str(device)
-        if key not in self._device:
-            from . import cuda as _cuda
-            self._device[key] = _cuda.device_plan(self, device)
-        return self._device[key]
+        # Scratch of the CPU kernels (the CUDA kernels keep their own copies: cuda.plan_arrays)
+        self.part_idx = np.zeros((ng, 2), dtype=np.int64)
+        self.part_val = np.zeros((ng, 2), dtype=np.uint8)
+        self.worker_partial = np.zeros(len(self.worker_tasks), dtype=np.float64)
+        self.server_partial = np.zeros(len(self.server_tasks), dtype=np.float64)
 
 
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -153,8 +145,8 @@ def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: 
     if _on_cuda(y, worker_error, out):
         from . import cuda as _cuda
         return _cuda.worker_scales(y, worker_error, plan, out)
-    cpu.sumsq_tasks(_host_input(y), worker_error.numpy(), plan.worker_tasks, plan._worker_partial)
-    cpu.reduce_scales(plan.worker_tasks, plan._worker_partial, plan.offsets, 0, plan.numel, out.numpy())
+    cpu.sumsq_tasks(_host_input(y), worker_error.numpy(), plan.worker_tasks, plan.worker_partial)
+    cpu.reduce_scales(plan.worker_tasks, plan.worker_partial, plan.offsets, 0, plan.numel, out.numpy())
     return out
 
 
@@ -189,7 +181,7 @@ def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None)
         return _cuda.compress_fused(y, worker_error, plan, scales, packed, e_out=eo)
     if plan.groups is not None and not _on_cuda(y, worker_error, eo, scales, packed):
         cpu.compress_fused(_host_input(y), worker_error.numpy(), eo.numpy(), plan.offsets, plan.groups,
-                           scales.numpy(), packed.numpy(), plan._part_idx, plan._part_val)
+                           scales.numpy(), packed.numpy(), plan.part_idx, plan.part_val)
         return packed
     worker_scales(y, worker_error, plan, scales)
     return worker_pack(y, worker_error, plan, scales, packed, error_out=eo)
@@ -208,8 +200,8 @@ def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, sca
         return _cuda.server_reduce(recv, all_worker_scales, server_error, plan, packed, scales)
     se, pk = server_error.numpy(), packed.numpy()
     cpu.server_average(recv.numpy(), all_worker_scales.numpy(), se, plan.server_tasks, plan.chunk_start,
-                       plan._server_partial)
-    cpu.reduce_scales(plan.server_tasks, plan._server_partial, plan.offsets, plan.chunk_start,
+                       plan.server_partial)
+    cpu.reduce_scales(plan.server_tasks, plan.server_partial, plan.offsets, plan.chunk_start,
                       plan.chunk_start + plan.chunk_numel, scales.numpy())
     cpu.pack_update(se, False, se, se, plan.chunk_start, plan.offsets, scales.numpy(), pk)
     return packed, scales
@@ -265,14 +257,12 @@ def all_finite_many(tensors) -> bool:
 
 def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:
     """In place, ``y <- clamp(y, -bound, bound)``, except that a NaN/Inf in ``y`` must still
-    reach the scales (algorithm.md §5: the agreed skip). On the CPU one read-only check, then the
-    clamp only when all is finite; elsewhere no host synchronisation (it runs inside the
-    backward hooks): ±Inf become NaN, which the clamp keeps. Bitwise ``clamp_`` for finite
-    ``y``. ``y``: float32[n]. Returns ``y``."""
-    if _cpu_kernels(y):
-        if all_finite(y):
-            y.clamp_(-bound, bound)
-        return y
+    reach the scales (algorithm.md §5: the agreed skip): ±Inf become NaN, which the clamp keeps.
+    The same result on every device. On the CPU a read-only check first lets a finite ``y``
+    take the clamp alone; on CUDA there is no host synchronisation (it runs inside the
+    backward hooks). Bitwise ``clamp_`` for finite ``y``. ``y``: float32[n]. Returns ``y``."""
+    if _cpu_kernels(y) and all_finite(y):  # one read-only pass, then the clamp alone
+        return y.clamp_(-bound, bound)
     return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-bound, bound)
 
 
@@ -293,16 +283,13 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
     mask): the window's decay on the anchor (``anchor ← anchor·decay_product``), then
     ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
     ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.kinds.sync_finish` with
-    ``preconditioned=True, mask=None``; one pass on the CPU instead of five. All float32[n]."""
+    ``preconditioned=True, mask=None`` (:func:`reference.sync_rebuild`); one pass on the CPU
+    instead of five. All float32[n]."""
     tensors = (w, anchor, param, exp_avg, denom)
     if _cpu_kernels(*tensors):
         cpu.sync_rebuild(*(t.numpy() for t in tensors), np.float32(factor), np.float32(decay_product))
         return
-    if decay_product != 1.0:
-        anchor.mul_(decay_product)
-    torch.sub(anchor, w, out=param)
-    torch.mul(w, denom, out=exp_avg).mul_(factor)
-    anchor.copy_(param)
+    reference.sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product)
 
 
 def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:

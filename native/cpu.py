@@ -428,6 +428,19 @@ def decompress_momentum(packed, sscales, tasks, chunk_numel, exp_avg, weight):
             exp_avg[j] = m + w * (_sign_scale(packed, j, s) - m)
 
 
+@njit(inline="always")
+def _rebuild(a, w, d, f):
+    """SYNC steps 5-6 for one element in parameter units: (x, m) = (a − w, (w·d)·f), each
+    product rounded to float32 (:func:`hvd_zoadam.native.reference.sync_rebuild`)."""
+    return a - w, (w * d) * f
+
+
+@njit(inline="always")
+def _rebuild_momentum_units(a, w, d, f):
+    """The same in the paper's momentum units: (x, m) = (a − w/d, w·f)."""
+    return a - w / d, w * f
+
+
 @njit(parallel=True, cache=True)
 def _sync_plain(packed, sscales, tasks, chunk_numel, anchor, param, exp_avg, denom, f):
     for t in prange(tasks.shape[0]):
@@ -436,9 +449,7 @@ def _sync_plain(packed, sscales, tasks, chunk_numel, anchor, param, exp_avg, den
         a0 = np.uint64(j0)
         for k in range(np.uint64(tasks[t, 2] - j0)):
             j = a0 + k
-            w = _sign_scale(packed, j, s)
-            x = anchor[j] - w
-            exp_avg[j] = (w * denom[j]) * f
+            x, exp_avg[j] = _rebuild(anchor[j], _sign_scale(packed, j, s), denom[j], f)
             param[j] = x
             anchor[j] = x
 
@@ -451,9 +462,7 @@ def _sync_masked(packed, sscales, tasks, chunk_numel, anchor, param, exp_avg, de
         a0 = np.uint64(j0)
         for k in range(np.uint64(tasks[t, 2] - j0)):
             j = a0 + k
-            w = _sign_scale(packed, j, s) * np.float32(mask[j])
-            x = anchor[j] - w
-            exp_avg[j] = (w * denom[j]) * f
+            x, exp_avg[j] = _rebuild(anchor[j], _sign_scale(packed, j, s) * np.float32(mask[j]), denom[j], f)
             param[j] = x
             anchor[j] = x
 
@@ -470,8 +479,7 @@ def _sync_momentum_units(packed, sscales, tasks, chunk_numel, anchor, param, exp
             w = _sign_scale(packed, j, s)
             if has_mask:
                 w = w * np.float32(mask[j])
-            x = anchor[j] - w / denom[j]
-            exp_avg[j] = w * f
+            x, exp_avg[j] = _rebuild_momentum_units(anchor[j], w, denom[j], f)
             param[j] = x
             anchor[j] = x
 
@@ -542,9 +550,7 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, f, decay):
         lo = np.uint64(t * TASK_NUMEL)
         for k in range(np.uint64(min(w.shape[0], t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
             i = lo + k
-            wi = w[i]
-            x = (anchor[i] * decay if decayed else anchor[i]) - wi
-            exp_avg[i] = (wi * denom[i]) * f
+            x, exp_avg[i] = _rebuild(anchor[i] * decay if decayed else anchor[i], w[i], denom[i], f)
             param[i] = x
             anchor[i] = x
 

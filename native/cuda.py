@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -555,12 +556,21 @@ def device_plan(plan, device) -> dict:
     return out
 
 
+_PLAN_ARRAYS = weakref.WeakKeyDictionary()  # Plan -> {device key: device_plan(...)}
+
+
 def _plan_arrays(plan, like: torch.Tensor) -> dict:
-    if not SIMULATOR:
-        return plan.on(like.device)
-    if "sim" not in plan._device:
-        plan._device["sim"] = device_plan(plan, None)
-    return plan._device["sim"]
+    """``plan``'s index arrays on ``like``'s device, copied once per plan and device."""
+    key = "sim" if SIMULATOR else str(like.device)
+    per_plan = _PLAN_ARRAYS.setdefault(plan, {})
+    if key not in per_plan:
+        per_plan[key] = device_plan(plan, None if SIMULATOR else like.device)
+    return per_plan[key]
+
+
+def forget_plan_arrays(plan) -> None:
+    """Drop the cached device arrays of ``plan`` (the next kernel call copies them again)."""
+    _PLAN_ARRAYS.pop(plan, None)
 
 
 @_entry

@@ -133,11 +133,19 @@ def decompress_momentum(packed, all_server_scales, offsets, exp_avg: torch.Tenso
     return exp_avg.add_((g - exp_avg) * w)
 
 
-def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_avg, denom, factor: float,
-                    decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
-    """SYNC steps 5-7 (algorithm.md §2) from the packed result w: see :func:`hvd_zoadam.kinds.sync_finish`,
-    after ``anchor.mul_(decay_product)``. ``factor`` = (1 − β1^t)/Λ."""
-    w = decompress(packed, all_server_scales, offsets, anchor.numel())
+def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product: float = 1.0, mask=None,
+                 preconditioned: bool = True) -> None:
+    """SYNC steps 5-7 (algorithm.md §2) from the exchanged window update ``w``: the one torch
+    home of the rebuild formula, which every other path calls or matches bitwise.
+
+    In order, each operation rounding to float32 once: ``w <- w·mask`` (when given, in place);
+    ``x_a <- x_a·decay_product`` (when != 1, in place); preconditioned (w in parameter units):
+    ``x = x_a − w`` and ``m = (w·s)·factor``; otherwise (the paper's momentum units):
+    ``x = x_a − w/s`` and ``m = w·factor``; then ``x_a <- x``. ``factor`` is (1 − β1^t)/Λ.
+
+    ``w``, ``anchor`` (x_a), ``param`` (x), ``exp_avg`` (m), ``denom`` (s): float32[n];
+    ``mask``: bool[n] or None. ``param``, ``exp_avg`` and ``anchor`` are written in place.
+    """
     if mask is not None:
         w.mul_(mask)
     if decay_product != 1.0:
@@ -149,3 +157,11 @@ def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_av
         torch.sub(anchor, w / denom, out=param)
         torch.mul(w, factor, out=exp_avg)
     anchor.copy_(param)
+
+
+def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_avg, denom, factor: float,
+                    decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
+    """SYNC steps 5-7 (algorithm.md §2) from the packed result w: :func:`decompress`, then
+    :func:`sync_rebuild`. ``factor`` = (1 − β1^t)/Λ."""
+    w = decompress(packed, all_server_scales, offsets, anchor.numel())
+    sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product, mask, preconditioned)
