@@ -1,4 +1,4 @@
-"""Issue 6: the benchmarks run and print JSON (tiny settings; the numbers go in the README).
+"""The benchmarks run and print JSON (tiny settings; the numbers go in the README).
 
 ``bench network`` needs root for the namespaces (CI runs as root); here it runs every system
 for a few steps of a tiny model over one shaped rate, to prove each launches and reports.
@@ -106,7 +106,7 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     rep = bench("kernels", "--numel", "65536", "--repeats", "1")
     assert set(rep["kernels"]) == {"worker_compress", "server_reduce", "decompress", "decompress_momentum",
                                    "decompress_sync"}
-    assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # issue 3's CPU targets are reported
+    assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # the CPU kernels' speed targets are reported
     assert isinstance(rep["kernels"]["decompress_momentum"]["met"], bool)
     assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())
     # memory traffic per element against the copy's 8 bytes, by hand for n = 65536, P = 2 (no padding):

@@ -1,4 +1,4 @@
-"""Checkpoints resume exactly (algorithm.md §6, BH-25): same world size bitwise, other world sizes consistently."""
+"""Checkpoints resume exactly (algorithm.md §6): same world size bitwise, other world sizes consistently."""
 from __future__ import annotations
 
 import os
@@ -44,7 +44,8 @@ def test_same_world_size_resume_is_bitwise_exact(saved, tmp_path):
 
 
 def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
-    """BH-25 variant 2 and issue 5: from P=4 onto P=1, 2, 3 and onto P=4 without the per-rank files."""
+    """Rank 0's file alone resumes: from P=4 onto P=1, 2, 3 (a changed world size) and onto P=4 without
+    the per-rank files; the resumed ranks agree with each other."""
     src = tmp_path / "src"
     src.mkdir()
     run_job("gloo", 4, ["tests/mp/worker_ckpt.py", str(src), "save", "9"])

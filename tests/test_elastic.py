@@ -1,5 +1,5 @@
-"""Issue 5, elastic: hvd.elastic.run + TorchState, a job that grows from 2 to 3 ranks mid-run
-(case BH-17: after a scale-up the new worker must not resume from other counters or state).
+"""Elastic training: hvd.elastic.run + TorchState, a job that grows from 2 to 3 ranks mid-run;
+after the scale-up the new worker must not resume from other counters or state.
 
 horovodrun --gloo --min-np 2 --max-np 3 with a host-discovery script that reads a file; rank 0
 of the job rewrites the file from ``localhost:2`` to ``localhost:3`` after step GROW_AT. The
@@ -53,7 +53,7 @@ def test_elastic_job_grows_from_two_to_three_ranks(tmp_path):
         assert all(r["schedule"] == recs[0]["schedule"] for r in recs), s
         assert all(r["kind"] == recs[0]["kind"] for r in recs)
         assert len({r["lr"] for r in recs}) == 1, s
-        # the frozen second moment: the joined rank's equals the others' (BH-17)
+        # the frozen second moment: the joined rank's equals the others'
         assert len({r["exp_avg_sq"] for r in recs}) == 1, f"exp_avg_sq differs at step {s}"
         for r in recs:   # error buffers re-laid out for P = 3
             assert r["worker_error"] == [padded_numel(n, 3) for n in r["numel"]]

@@ -1,4 +1,4 @@
-"""Agreed skips on non-finite gradients, GradScaler, half-precision models (algorithm.md §5; BH-02/15/24)."""
+"""Agreed skips on non-finite gradients, GradScaler, half-precision models (algorithm.md §5)."""
 from __future__ import annotations
 
 import sys
@@ -98,7 +98,7 @@ def _amp_run(rank, transport, scale=None, overflow_at=None, steps=10, clip=False
 
 @pytest.mark.parametrize("clip", [False, True])
 def test_grad_scaler_matches_the_unscaled_run(clip):
-    """BH-24 (b): loss x 1024 through GradScaler gives the unscaled run's parameters (1e-5 relative)."""
+    """Loss x 1024 through GradScaler gives the unscaled run's parameters (1e-5 relative)."""
     plain = run_threads(2, lambda r, t: _amp_run(r, t, clip=clip))
     scaled = run_threads(2, lambda r, t: _amp_run(r, t, scale=1024.0, clip=clip))
     for r in range(2):
@@ -133,7 +133,8 @@ def test_synchronize_before_scaler_step_is_refused_with_the_fix():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_train_with_fp32_internals(dtype):
-    """BH-02 (bf16, no loss scaler demanded) and BH-15 (fp16/bf16 on CPU, no missing Half kernels)."""
+    """bf16 trains with no loss scaler demanded, fp16/bf16 on CPU hit no missing Half kernels; the
+    internals are fp32."""
     def run(rank, transport, dt):
         with common._INIT_LOCK:
             torch.manual_seed(3)

@@ -1,4 +1,4 @@
-"""padded_numel and bucketing (BH-30)."""
+"""padded_numel (the complement, not the remainder: equal whole-byte chunks per rank) and bucketing."""
 from __future__ import annotations
 
 import pytest

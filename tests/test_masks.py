@@ -1,4 +1,4 @@
-"""Momentum masks: exp_avg_mask and auto_exp_avg_mask (issue 7)."""
+"""Momentum masks: exp_avg_mask and auto_exp_avg_mask."""
 from __future__ import annotations
 
 import sys

@@ -17,7 +17,7 @@ from hvd_zoadam.simulate import simulate_compressed_allreduce, simulate_zoadam  
 
 # (launcher, ranks, transport argument, the transport it must resolve to). Under MPI both
 # transports run at P = 2, 3, 4; each must equal the in-process simulation bit for bit, so
-# they equal each other (issue 4).
+# they equal each other.
 JOBS = [("gloo", 2, "auto", "horovod"), ("gloo", 3, "auto", "horovod"),
         ("mpi", 2, "mpi", "mpi"), ("mpi", 3, "mpi", "mpi"), ("mpi", 4, "auto", "mpi"),
         ("mpi", 2, "horovod", "horovod"), ("mpi", 3, "horovod", "horovod"), ("mpi", 4, "horovod", "horovod"),
@@ -144,7 +144,7 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
 
 
 def test_overlap_with_backward_gives_the_same_parameters(job):
-    """Issue 6: the hooks start VARIANCE allreduces and COMPRESSED steps' worker side and round 1
+    """The hooks start VARIANCE allreduces and COMPRESSED steps' worker side and round 1
     early, and the 1-bit exchanges pipeline the buckets; with several buckets the result equals
     overlap=False bit for bit, on every rank."""
     p, ranks = job
@@ -168,7 +168,7 @@ def test_overlap_with_backward_gives_the_same_parameters(job):
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_path):
-    """BH-05: {0,1} and {2,3} each train their own Linear(8,4); finishes well within the timeout."""
+    """Process sets {0,1} and {2,3} each train their own Linear(8,4); finishes well within the timeout."""
     proc = run_job(launcher, 4, ["tests/mp/worker_ps.py", str(tmp_path)], timeout_s=120)
     ranks = load_ranks(tmp_path, 4)
     assert ranks[0]["kinds"][-1] == "sync"
@@ -186,17 +186,19 @@ def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_pat
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
-    """BH-08/09/10 (hvd.broadcast_optimizer_state) and BH-21 (settings differ across ranks)."""
+    """hvd.broadcast_optimizer_state with frozen parameters, before the first step, twice, and over corrupted
+    non-tensor options and counters; settings that differ across ranks raise on every rank; an explicit
+    transport='mpi' never falls back silently."""
     run_job(launcher, 2, ["tests/mp/worker_bcast.py", str(tmp_path)], timeout_s=120)
     r0, r1 = load_ranks(tmp_path, 2)
-    for r in (r0, r1):  # issue 4: an explicit transport='mpi' never falls back silently
+    for r in (r0, r1):  # an explicit transport='mpi' never falls back silently
         if launcher == "gloo":
             assert "transport='mpi' cannot work here" in r["explicit_mpi"]["error"]
             assert "MPI controller" in r["explicit_mpi"]["error"]
         else:
             assert r["explicit_mpi"]["ok"].startswith("mpi (mpi4py")
     same_state = lambda a, b: all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])  # noqa: E731
-    # BH-08/09: frozen layer untouched and without state; broadcasting twice = once; state equal after each
+    # frozen layer untouched and without state; broadcasting twice = once; state equal after each
     f0, f1 = r0["frozen"], r1["frozen"]
     assert f0["unchanged"] and f1["unchanged"] and not f0["frozen_in_state"]
     for snap in ("once", "twice", "after"):
@@ -206,7 +208,7 @@ def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(f1["before"]["errors"], f1["after"]["errors"]))
     assert not all(torch.equal(a, b) for a, b in zip(f0["after"]["errors"], f1["after"]["errors"]))
     assert all(torch.equal(a, b) for a, b in zip(f0["final"], f1["final"]))
-    # BH-10: rank 1's corrupted options and counters come back as rank 0's, with their Python types
+    # rank 1's corrupted options and counters come back as rank 0's, with their Python types
     c0, c1 = r0["corrupt"], r1["corrupt"]
     assert c1["groups"] == c0["groups"]
     for g0, g1 in zip(c0["groups"], c1["groups"]):
@@ -216,7 +218,7 @@ def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
     assert type(c1["groups"][0]["zoadam"]["freeze_lr"]) is float
     assert same_state(c0["state"], c1["state"])
     assert all(torch.equal(a, b) for a, b in zip(c0["after"], c1["after"]))
-    # BH-21: every rank raises within seconds, naming the setting and both values
+    # settings differ across ranks: every rank raises within seconds, naming the setting and both values
     for r in (r0, r1):
         m = r["mismatch"]
         assert "schedule.var_freeze_step" in m["freeze"]["error"] and "3" in m["freeze"]["error"] \
@@ -230,7 +232,7 @@ def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 @pytest.mark.parametrize("mode", ["stall", "kill"])
 def test_dead_or_stalled_peer_ends_the_job_naming_the_collective(launcher, mode):
-    """Issue 5: a rank killed or stalled at step 5; the others exit non-zero within a bounded time."""
+    """A rank killed or stalled at step 5; the others exit non-zero within a bounded time."""
     import time
     start = time.monotonic()
     proc = run_job(launcher, 3, ["tests/mp/worker_fault.py", mode], timeout_s=150, check=False,

@@ -1,4 +1,4 @@
-"""Issue 4, multi-host on one machine: ranks in separate network namespaces over shaped veth links.
+"""Multi-host training on one machine: ranks in separate network namespaces over shaped veth links.
 
 ``python -m hvd_zoadam.netsim`` makes the "hosts" (namespaces joined by a bridge, HTB-shaped),
 runs the launcher in host 1 with a launch agent in place of ssh, and removes what it made.

@@ -1,4 +1,5 @@
-"""The optimizer shell over thread-ranks: the oracle, Horovod's contract, bad input (BH-07/08/09/13/16/20/23/27)."""
+"""The optimizer shell over thread-ranks: the oracle, Horovod's contract (options, frozen and unnamed
+parameters, accumulation, param groups), lr schedules, layout changes, bad input."""
 from __future__ import annotations
 
 import io
@@ -54,13 +55,13 @@ def train_threads(p, steps, cls=torch.optim.Adam, wd=0.0, lr_fn=None, record=Fal
 
 @pytest.mark.parametrize("p", [1, 2, 3])
 @pytest.mark.parametrize("cls, wd", [(torch.optim.Adam, 0.0), (torch.optim.Adam, 0.05), (torch.optim.AdamW, 0.05)])
-@pytest.mark.parametrize("spec_raw", [False, True], ids=["default", "spec-raw"])
-def test_equals_the_simulation_bitwise(p, cls, wd, spec_raw):
+@pytest.mark.parametrize("paper_raw", [False, True], ids=["default", "paper-raw"])
+def test_equals_the_simulation_bitwise(p, cls, wd, paper_raw):
     """The product against the plain-loop oracle, in hvd_zoadam's default mode and in the paper's raw mode."""
     steps = 26
-    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
+    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if paper_raw else {}
     got = train_threads(p, steps, cls, wd, **flags)
-    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, spec_raw)
+    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, paper_raw)
     assert {k for k in kinds} == set(StepKind)
     for r in range(p):
         for a, b in zip(got[r][0], want[r]):
@@ -68,19 +69,19 @@ def test_equals_the_simulation_bitwise(p, cls, wd, spec_raw):
 
 
 @pytest.mark.parametrize("cls, wd", [(torch.optim.Adam, 0.0), (torch.optim.AdamW, 0.05)])
-@pytest.mark.parametrize("spec_raw", [False, True], ids=["default", "spec-raw"])
-def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, spec_raw):
+@pytest.mark.parametrize("paper_raw", [False, True], ids=["default", "paper-raw"])
+def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, paper_raw):
     """At P = 1 nothing is compressed, so the bucket layout cannot change a bit: buckets of ~40
     elements (the several-bucket paths of the step kinds, the scratch reuse across buckets) must
     give the one-bucket oracle's parameters exactly."""
     steps = 26
-    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
+    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if paper_raw else {}
     got = train_threads(1, steps, cls, wd, bucket_cap_mb=40 * 4 / 2 ** 20, **flags)
     assert len(got[0][1]._buckets) > 3
     params0 = [q.detach().clone() for q in common.mlp().parameters()]
     want, _ = simulate_zoadam(params0, common.grads_at, world_size=1, steps=steps, schedule=Schedule(**KNOBS),
                               lr_fn=lambda t: common.LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,
-                              precondition=not spec_raw, auto_mask=not spec_raw)
+                              precondition=not paper_raw, auto_mask=not paper_raw)
     for a, b in zip(got[0][0], want[0]):
         assert torch.equal(a, b), (a - b).abs().max()
 
@@ -112,7 +113,8 @@ def test_p1_compressed_steps_use_the_raw_gradient_and_send_nothing():
 
 
 def test_lr_schedule_down_to_zero_gives_no_nan_and_zero_lr_steps_do_not_move():
-    """BH-27: lr read from param_groups each step; lr = 0 windows neither divide by 0 nor move x."""
+    """lr is read from param_groups each step (warm-up, cosine decay to exactly 0); lr = 0 windows neither
+    divide by 0 nor move x."""
     steps = 40
 
     def lr_fn(t):
@@ -136,7 +138,7 @@ def test_lr_schedule_down_to_zero_gives_no_nan_and_zero_lr_steps_do_not_move():
 
 
 def test_param_groups_with_different_lr_move_in_proportion():
-    """BH-13: unnamed params in two groups get distinct names and own buffers; all-ones grads compress
+    """Unnamed params in two groups get distinct names and own buffers; all-ones grads compress
     losslessly, so group 2 (lr 1e-4) moves exactly 0.1x group 1 (lr 1e-3) in every phase."""
     def body(rank, transport):
         # zeros, so that float32 spacing (|x| <= 1e-2 here) does not blur the 1e-4 steps
@@ -167,7 +169,8 @@ def test_param_groups_with_different_lr_move_in_proportion():
 
 
 def test_zero_element_and_tiny_parameters_work_with_three_ranks():
-    """BH-20: (0,), (0,5), a scalar, a 2-element tensor and a Linear(3,3) at P = 3."""
+    """(0,), (0,5), a scalar, a 2-element tensor (fewer elements than ranks) and a Linear(3,3) at P = 3:
+    no hang, zero-element parameters stay empty, the others move alike on every rank."""
     def body(rank, transport):
         with common._INIT_LOCK:
             torch.manual_seed(0)
@@ -193,7 +196,7 @@ def test_zero_element_and_tiny_parameters_work_with_three_ranks():
 
 
 def test_frozen_parameters_get_no_state_and_stay_put():
-    """BH-08/09: requires_grad=False params hold no buffers; an all-frozen model is refused."""
+    """requires_grad=False params hold no buffers and stay put; an all-frozen model is refused."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     for q in model[0].parameters():
         q.requires_grad_(False)
@@ -274,7 +277,8 @@ def test_synchronize_then_clip_then_step_uses_the_clipped_gradient():
 
 
 def test_backward_passes_per_step_counts_and_zero_grad_resets():
-    """BH-16 and Horovod's accumulation error text."""
+    """backward_passes_per_step: one pass too many raises Horovod's accumulation error text; zero_grad()
+    clears a partial window; a partial window steps; the step counter counts optimizer steps."""
     model = common.mlp()
     opt = make(model, solo(), backward_passes_per_step=2)
     for t in range(2):
@@ -292,7 +296,8 @@ def test_backward_passes_per_step_counts_and_zero_grad_resets():
 
 
 def test_add_param_group_after_training_keeps_existing_state():
-    """BH-23 (a): new params get zero buffers of their own padded size; old state is untouched."""
+    """add_param_group after training: new params get zero buffers of their own padded size; old state
+    is untouched."""
     def body(rank, transport):
         model = common.mlp()
         opt = make(model, transport)
@@ -322,7 +327,8 @@ def test_add_param_group_after_training_keeps_existing_state():
 
 
 def test_memory_report_matches_the_documented_formula_and_does_not_grow():
-    """BH-06: (4 + 1/P)·n floats plus < 8P padding per bucket, plus a bounded scratch."""
+    """Optimizer memory: (4 + 1/P)·n floats plus < 8P padding per bucket, plus a bounded scratch, the same
+    at step 20 as at step 6."""
     p = 2
 
     def body(rank, transport):
@@ -418,7 +424,8 @@ def test_named_parameters_checks_follow_horovod():
 
 
 def test_sparse_gradients_are_refused_or_densified_on_request():
-    """BH-07 (3)."""
+    """Sparse gradients (Embedding(sparse=True)) are refused naming sparse_as_dense=True, or densified
+    with it."""
     for dense in (False, True):
         emb = torch.nn.Embedding(20, 4, sparse=True)
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(emb.parameters()), sparse_as_dense=dense,
@@ -433,7 +440,8 @@ def test_sparse_gradients_are_refused_or_densified_on_request():
 
 
 def test_fp16_compression_applies_to_variance_steps_and_predivide_is_honoured():
-    """BH-07 (1) and (6): supported, with the documented meaning."""
+    """compression=hvd.Compression.fp16 (halves the VARIANCE steps' bytes) and gradient_predivide_factor
+    are supported, with the documented meaning."""
     base = train_threads(2, 10)
     fp16 = train_threads(2, 10, compression=hvd.Compression.fp16)
     pre = train_threads(2, 10, gradient_predivide_factor=2.0)
@@ -449,7 +457,8 @@ def test_fp16_compression_applies_to_variance_steps_and_predivide_is_honoured():
 
 
 def test_layout_mismatch_raises_on_every_rank_naming_both_values():
-    """BH-21: a per-rank config typo fails fast at the first step instead of hanging."""
+    """A per-rank config typo (var_freeze_step 3 vs 5) fails fast at the first step on every rank,
+    naming both values, instead of hanging."""
     def body(rank, transport):
         model = common.mlp()
         opt = make(model, transport, var_freeze_step=3 if rank == 0 else 5)
@@ -461,7 +470,8 @@ def test_layout_mismatch_raises_on_every_rank_naming_both_values():
 
 
 def test_a_replaced_or_resized_parameter_is_refused_by_name():
-    """BH-23 (b): never use a buffer of the old length."""
+    """A parameter replaced by, or resized to, another shape is refused by name: never use a buffer of the
+    old length."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
                                           transport=solo())
@@ -480,7 +490,7 @@ def test_a_replaced_or_resized_parameter_is_refused_by_name():
 
 
 def test_two_optimizers_over_one_model():
-    """BH-14: disjoint parts work; a part left un-stepped fails at the next backward naming the parameter."""
+    """Two optimizers over disjoint parts of one model work; a part left un-stepped fails at the next backward naming the parameter."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt_a = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model[0].parameters()),
                                             named_parameters=model[0].named_parameters(prefix="a"), transport=solo())
@@ -556,7 +566,7 @@ def test_step_log_writes_one_json_line_per_step(tmp_path):
 
 @pytest.mark.parametrize("variant", ["A", "B"])
 def test_accumulation_window_that_does_not_divide_the_epoch(variant):
-    """BH-16: backward_passes_per_step=4, 10 micro-batches per epoch, 2 epochs. Gradients of the
+    """backward_passes_per_step=4, 10 micro-batches per epoch, 2 epochs. Gradients of the
     passes made are summed (torch and Horovod semantics), so a partial window of 2 passes steps
     with 2g; variant B drops the partial window with zero_grad()."""
     def grad_of(model):

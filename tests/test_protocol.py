@@ -1,4 +1,5 @@
-"""The two-phase exchange over thread-ranks against the in-process simulation (algorithm.md §3, BH-20/24/28/30)."""
+"""The two-phase exchange over thread-ranks against the in-process simulation (algorithm.md §3): padding and
+chunking, empty and tiny inputs, the sign of zero, fp32 residuals for half inputs."""
 from __future__ import annotations
 
 import pytest
@@ -130,7 +131,8 @@ def test_server_identity_holds():
 
 
 def test_sign_of_zero_and_all_zero_input():
-    """BH-28: ±0 share the bit +1; an all-zero input gives zero output and zero errors, no 0/0."""
+    """±0 share the bit +1 (no third level for zero); an all-zero input gives zero output and zero
+    errors, no 0/0."""
     x = torch.tensor([0.0, -0.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0, 1e-30, -1e-30])
     got = [(outs[0], we, se) for outs, we, se in _car_all([x, x])]
     for out, we, se in got:
@@ -183,11 +185,11 @@ def test_empty_input_takes_part_in_no_collective():
 
 
 def test_tiny_fp16_values_survive_error_feedback():
-    """BH-24 (a): residuals stay in float32, so tiny fp16 inputs average out.
+    """Residuals stay in float32, so tiny fp16 inputs (some below the fp16 normal range) average out.
 
     With error feedback the mean of T outputs is x + (e_0 - e_T)/T, so its error is bounded by
     about 2·scale/T whatever x is: here scale ~ 5e-5 and T = 500 give ~2e-7, which is 5% of
-    x only for |x| >= 4e-6 (the case's 5% at |x| = 1e-6 is below that bound for any 1-bit
+    x only for |x| >= 4e-6 (5% at |x| = 1e-6 is below that bound for any 1-bit
     error-feedback scheme). We assert the bound for every element, 5% for |x| >= 1e-5, and
     that the error halves from T=500 to T=1000 (the residuals did not underflow)."""
     x = (1e-4 * torch.tensor([1, 0.3, -0.01, 0.002] * 4)).half()
@@ -212,7 +214,7 @@ def test_tiny_fp16_values_survive_error_feedback():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_return_their_dtype_and_match_fp32(dtype):
-    """BH-15: no 'not implemented for Half' anywhere; math in fp32, output in the input dtype."""
+    """fp16 / bf16 inputs: no 'not implemented for Half' anywhere; math in fp32, output in the input dtype."""
     for n in (1, 37, 1024):
         xs = [x.to(dtype) for x in _inputs(n, 2, seed=n)]
         got = _car_all(xs, dtype=dtype)

@@ -13,7 +13,7 @@ def kinds(s: Schedule, last: int, lr_fn=None, freeze_lr=None) -> str:
                    for t in range(1, last + 1))
 
 
-def test_variance_steps_with_kappa_2_follow_the_spec_example():
+def test_variance_steps_with_kappa_2_are_1_2_4_6_8_12_16_24_32():
     s = Schedule(var_freeze_step=10 ** 6, var_update_scaler=2, local_step_scaler=10, local_step_clipper=4)
     assert s.variance_steps(40) == [1, 2, 4, 6, 8, 12, 16, 24, 32]
     assert [t for t in range(1, 41) if s.kind(t) is StepKind.VARIANCE] == [1, 2, 4, 6, 8, 12, 16, 24, 32]

@@ -1,4 +1,4 @@
-"""The numba.cuda kernels against the CPU kernels and the torch reference (issue 3).
+"""The numba.cuda kernels against the CPU kernels and the torch reference.
 
 These run where the CUDA kernels can run: under the CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, CPU tensors, small sizes: ~0.3 ms per simulated
@@ -7,7 +7,7 @@ thread; ``tests/test_cuda_simulator.py`` starts them so in CI) or on a real GPU
 Elsewhere they skip. The kernels use no warp intrinsics, so the simulator covers the
 very code paths the GPU runs; what it cannot show is speed and real concurrency.
 
-What must hold (issue 3, "two targets, one semantics"): bits and errors bitwise the
+What must hold ("two targets, one semantics"): bits and errors bitwise the
 CPU kernels' for the same scales; scales equal up to float64 summation order.
 """
 from __future__ import annotations

@@ -77,15 +77,15 @@ ADAM, ADAMW_RAW = (torch.optim.Adam, 0.0, False), (torch.optim.AdamW, 0.05, True
 # The simulator takes ~0.3 s per kernel launch here (a Python thread per GPU thread, one
 # kernel at a time), so the P = 3 case runs one configuration only.
 @pytest.mark.parametrize("p, config", [(1, ADAM), (1, ADAMW_RAW), (2, ADAM), (2, ADAMW_RAW), (3, ADAM)],
-                         ids=["1-adam-default", "1-adamw-spec-raw", "2-adam-default", "2-adamw-spec-raw",
+                         ids=["1-adam-default", "1-adamw-paper-raw", "2-adam-default", "2-adamw-paper-raw",
                               "3-adam-default"])
 def test_optimizer_on_the_cuda_path_equals_the_simulation(p, config):
     """14 steps through every step kind (V V C V C V S S S S L S L S) on P thread-ranks."""
-    cls, wd, spec_raw = config
+    cls, wd, paper_raw = config
     steps = 14
-    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if spec_raw else {}
+    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if paper_raw else {}
     got = train(p, steps, cls, wd, **flags)
-    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, spec_raw)
+    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, paper_raw)
     assert set(kinds) == set(StepKind) and kinds[-1] is StepKind.SYNC
     for r in range(1, p):  # after the last step, a SYNC, every rank holds the same bits, on any device
         assert all(torch.equal(a, b) for a, b in zip(got[r][0], got[0][0])), r

@@ -47,16 +47,16 @@ def grads_at(step: int, rank: int, params: list[torch.Tensor]) -> list[torch.Ten
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def simulate_mlp(p: int, steps: int, knobs: dict, cls=torch.optim.Adam, wd: float = 0.0, spec_raw: bool = False):
+def simulate_mlp(p: int, steps: int, knobs: dict, cls=torch.optim.Adam, wd: float = 0.0, paper_raw: bool = False):
     """The oracle of the thread-rank MLP runs: ``simulate_zoadam`` from ``mlp()``'s initial
-    parameters with :func:`grads_at`, constant LR; ``spec_raw`` turns off hvd_zoadam's
-    preconditioned compression and automatic momentum mask. Returns (params per rank, kinds)."""
+    parameters with :func:`grads_at`, constant LR; ``paper_raw`` runs the paper's plain algorithm:
+    it turns off hvd_zoadam's preconditioned compression and automatic momentum mask. Returns (params per rank, kinds)."""
     from hvd_zoadam import Schedule
     from hvd_zoadam.simulate import simulate_zoadam
     params0 = [q.detach().clone() for q in mlp().parameters()]
     return simulate_zoadam(params0, grads_at, world_size=p, steps=steps, schedule=Schedule(**knobs),
                            lr_fn=lambda t: LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,
-                           precondition=not spec_raw, auto_mask=not spec_raw)
+                           precondition=not paper_raw, auto_mask=not paper_raw)
 
 
 TRAIN = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)

@@ -1,4 +1,5 @@
-"""hvd.broadcast_optimizer_state and the cross-rank settings check (BH-08, BH-09, BH-10, BH-21).
+"""hvd.broadcast_optimizer_state (frozen parameters, empty state, non-tensor options) and the cross-rank
+settings check.
 
 Usage: ``worker_bcast.py OUT_DIR`` under 2 ranks.
 """

@@ -1,4 +1,4 @@
-"""Checkpoint/resume jobs (algorithm.md §6, BH-25).
+"""Checkpoint/resume jobs (algorithm.md §6).
 
 ``worker_ckpt.py OUT_DIR save STEP [STEP ...]``: a full run of common.CKPT_STEPS steps, and for
 each STEP a run that saves a checkpoint after STEP steps. ``worker_ckpt.py OUT_DIR resume STEP

@@ -1,4 +1,4 @@
-"""BH-05: two process sets {0,1} and {2,3} each train their own model with no cross-talk.
+"""Two process sets {0,1} and {2,3} each train their own model with no cross-talk.
 
 Usage: ``worker_ps.py OUT_DIR`` under 4 ranks.
 """
