@@ -1,51 +1,38 @@
-"""The imperative shell: a Horovod-style DistributedOptimizer running 0/1 Adam.
+"""The Horovod shell: ``hvd_zoadam.DistributedOptimizer`` and the optimizer it returns.
 
-The class holds state; the math lives in :mod:`.kinds`, the schedule in
-:mod:`.schedule`, the exchange in :mod:`.protocol`.
+:class:`ZeroOneAdamOptimizer` is the ``torch.optim.Optimizer`` a user holds: Horovod's
+contract (``synchronize``, ``skip_synchronize``, ``step``, ``zero_grad``, backward hooks,
+``backward_passes_per_step``), torch's (``param_groups``, ``state_dict``), checkpoints and
+reports. It holds state and drives a step; it does no math and names no collective:
+
+* :mod:`.engine`: the buckets and flat state;
+* :mod:`.algorithms.zeroone`: 0/1 Adam's schedule and step functions;
+* :mod:`.protocol`: every exchange and collective name; :mod:`.transport`: the collectives;
+* :mod:`.overlap`: what the backward hooks start early.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
-from . import kinds, native
-from .layout import make_buckets, scale_segments
-from .protocol import Exchange
-from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_int
+from . import native
+from .algorithms import StepContext
+from .algorithms.zeroone import ZeroOneAdam
 from .elastic import register_state_handler
+from .engine import Engine
+from .overlap import Overlap, Phase
+from .protocol import Average, CollectiveNames, check_layout, exchange_buckets, grads_changed_anywhere
+from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_int
 from .transport import Transport, make_transport
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 _KIND_NAMES = [k.value for k in StepKind]
-_prefix_counts: dict = {}  # layout digest -> optimizers built over it in this process
 _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
-
-
-@dataclass
-class _Bucket:
-    """One fused exchange unit: consecutive trainable params of one param group and device."""
-
-    group_index: int
-    params: list
-    names: list
-    exchange: Exchange
-    exp_avg: torch.Tensor       # float32[n]
-    exp_avg_sq: torch.Tensor    # float32[n]
-    anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
-    master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
-    mask: torch.Tensor | None = None    # uint8[n] momentum mask (exp_avg_mask), 0 = never moves
-    views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
-
-    @property
-    def numel(self) -> int:
-        return self.exchange.numel
 
 
 def _check_group(group: dict, index: int) -> None:
@@ -118,6 +105,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._ready = False
         super().__init__(optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
+        self.algorithm = ZeroOneAdam(schedule, precondition_compression)
         self.transport = transport
         self.world_size = transport.world_size
         self.compression = compression
@@ -134,29 +122,21 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         if step_log is not None and ("{rank}" in step_log or transport.rank == 0):
             self._step_log = step_log.format(rank=transport.rank)
         self._loss = None
-        self._user_masks = {}  # param -> mask tensor, resolved from exp_avg_mask after naming
         self._names = self._name_parameters(named_parameters)
-        self._uid = self._collective_prefix()
-        self._user_masks = self._resolve_masks(exp_avg_mask)
-        self._buckets: list[_Bucket] = []
-        self._device = None  # the one device of every trainable parameter (CPU or one CUDA device)
-        self._scratch = {}
+        self._collectives, self._collectives_count = CollectiveNames.for_layout(
+            self._layout_description(), transport.world_size, transport.rank)
+        self._engine = Engine(self.param_groups, self.state, self._names, self._resolve_masks(exp_avg_mask),
+                              transport, self._collectives, bucket_cap_numel=bucket_cap_numel,
+                              scale_block_numel=scale_block_numel, sparse_as_dense=sparse_as_dense,
+                              bias_correction=bias_correction, auto_exp_avg_mask=auto_exp_avg_mask)
+        self._average = self._new_average()
         self._hook_handles = []
         self._passes = {}
         self._synchronized = False
         self._should_synchronize = True
         self._pending = None          # (step, kind, skip) prepared by synchronize()
         self._exchanged = False       # p.grad holds this step's exchange result
-        self._inv_grad_scale = None   # 1 / GradScaler's scale while scaler.step() drives us
         self._checked_layout = False
-        self._mask_cache = {}
-        # Overlap with the backward pass (see _launch_ready): which bucket each param is in, how
-        # many of a bucket's params are ready, how far along the launch order we are, and the
-        # exchange started from the hooks for the coming step.
-        self._bucket_of = {}
-        self._ready_count = []
-        self._launch_pos = 0
-        self._early = None
         self._amp_seen = False
         self._warned_changed = False
         self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
@@ -166,11 +146,20 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             _check_group(group, index)
             self._build_group(index)
+        self._overlap = Overlap(len(self._buckets))
         if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
                                          if p.requires_grad):
             raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
-        native.warm_up(self._device)  # the kernels' JIT here, not as a stall of the first exchanging step
+        native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
         self._ready = True
+
+    @property
+    def _buckets(self) -> list:
+        return self._engine.buckets
+
+    def _new_average(self) -> Average:
+        return Average(self.transport, self._collectives, gradient_predivide_factor=self.gradient_predivide_factor,
+                       fp16_wire=self._fp16_wire(), sparse_grad=self._engine.sparse_grad)
 
     # -- construction ----------------------------------------------------------------------
     def _name_parameters(self, named_parameters) -> dict:
@@ -219,21 +208,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"exp_avg_mask of {self._names[p]!r} must hold only 0 and 1")
         return masks
 
-    def _collective_prefix(self) -> str:
-        """A rank-independent name for this optimizer's collectives: a digest of its parameter
-        layout (names, shapes, dtypes, groups) plus how many optimizers over the same layout this
-        process built before. A per-process instance counter would pair different optimizers
-        across ranks that built, say, an extra optimizer for evaluation."""
-        layout = [(i, self._names[p], tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups)
-                  for p in g["params"] if p.requires_grad]
-        digest = hashlib.sha1(repr((layout, self.transport.world_size)).encode()).hexdigest()[:10]
-        if not hasattr(self, "_uid_count"):
-            # counted per rank too, so that P thread-ranks in one process (the tests' in-process
-            # transport) name their collectives alike, as separate processes do
-            key = (digest, self.transport.rank)
-            self._uid_count = _prefix_counts.get(key, 0)
-            _prefix_counts[key] = self._uid_count + 1
-        return f"{digest}.{self._uid_count}"
+    def _layout_description(self) -> list:
+        """The trainable parameters' layout (names, shapes, dtypes, groups): the digest in the
+        collective names. Names built by an earlier optimizer over the same layout in this
+        process get a higher count (see :class:`~hvd_zoadam.protocol.CollectiveNames`)."""
+        return [(i, self._names[p], tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups)
+                for p in g["params"] if p.requires_grad]
 
     def _build_group(self, index: int) -> None:
         group = self.param_groups[index]
@@ -245,63 +225,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             if param_ref() is p and owner() is not None and owner() is not self:
                 raise ValueError(f"parameter {self._names.get(p, id(p))!r} is already optimized by another "
                                  "hvd_zoadam optimizer; give each parameter to one optimizer only")
-            if p.is_sparse:
-                raise TypeError(f"parameter {self._names.get(p)!r} is sparse; 0/1 Adam needs dense parameters")
-            if not p.is_floating_point():
-                raise TypeError(f"parameter {self._names.get(p)!r} has dtype {p.dtype}; 0/1 Adam needs "
-                                "floating-point parameters")
-            if p.device.type not in ("cpu", "cuda"):
-                raise TypeError(f"parameter {self._names.get(p)!r} is on {p.device}: hvd_zoadam runs on CPU and "
-                                "CUDA tensors; move the model to a CUDA device or to the CPU")
-            if self._device is None:
-                self._device, self._device_param = p.device, self._names.get(p)
-            elif p.device != self._device:
-                raise ValueError(f"parameter {self._names.get(p)!r} is on {p.device} but parameter "
-                                 f"{self._device_param!r} is on {self._device}: hvd_zoadam needs every trainable "
-                                 "parameter of a rank on one device, as Horovod does (torch.cuda.set_device("
-                                 "hvd.local_rank()), then model.cuda())")
-        by_dtype = {}
-        for p in trainable:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
-                self._add_bucket(index, [params[i] for i in idx])
+        self._engine.build_group(index, trainable)
         for p in trainable:
             _registered[id(p)] = (weakref.ref(p), weakref.ref(self))
             if p not in self._passes:
                 self._passes[p] = 0
                 if hasattr(p, "register_post_accumulate_grad_hook"):
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
-
-    def _add_bucket(self, group_index: int, params: list) -> None:
-        for p in params:
-            self._bucket_of[p] = len(self._buckets)
-        self._ready_count.append(0)
-        numels = [p.numel() for p in params]
-        name = f"zoadam.{self._uid}.b{len(self._buckets)}"
-        dev = self._device
-        exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport, name, device=dev)
-        n = exchange.numel
-        bucket = _Bucket(group_index, params, [self._names[p] for p in params], exchange,
-                         torch.zeros(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev))
-        if params[0].dtype != torch.float32:
-            bucket.master = torch.cat([p.detach().reshape(-1).float() for p in params])
-        keys = ["exp_avg", "exp_avg_sq", "anchor"]
-        if any(p in self._user_masks for p in params):
-            bucket.mask = torch.cat([self._user_masks[p].reshape(-1).to(dev, torch.uint8) if p in self._user_masks
-                                     else torch.ones(p.numel(), dtype=torch.uint8, device=dev) for p in params])
-            keys.append("mask")
-        for key in keys:
-            flat = getattr(bucket, key)
-            bucket.views[key] = [v.view_as(p) for v, p in zip(flat.split(numels), params)]
-            for p, v in zip(params, bucket.views[key]):
-                self.state[p]["exp_avg_mask" if key == "mask" else key] = v
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
-        self._buckets.append(bucket)
-        for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
-            if self._scratch.get(key, torch.empty(0)).numel() < size:
-                self._scratch[key] = torch.zeros(size, device=dev)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch semantics). Its params get new, zeroed buffers and unique names."""
@@ -312,20 +242,23 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             for j, p in enumerate(self.param_groups[index]["params"]):
                 self._names.setdefault(p, f"noname.{index}.{j}")
             self._build_group(index)
+            self._overlap.ready.extend([0] * (len(self._buckets) - len(self._overlap.ready)))
             self._checked_layout = False
 
+    # -- backward hooks and overlap ------------------------------------------------------------
     def _make_hook(self, p):
         def hook(*_):
             if self._passes[p] >= self.backward_passes_per_step:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally. (hvd_zoadam: parameter "
-                    f"{self._names.get(p)!r} of the optimizer {self._uid}; when several optimizers share a "
-                    "model, call step() or zero_grad() on each one whose parameters got gradients.)")
+                    f"{self._names.get(p)!r} of the optimizer {self._collectives.prefix}; when several optimizers "
+                    "share a model, call step() or zero_grad() on each one whose parameters got gradients.)")
             self._passes[p] += 1
-            if self._passes[p] == self.backward_passes_per_step and p in self._bucket_of and self._can_overlap():
-                self._ready_count[self._bucket_of[p]] += 1
-                self._launch_ready()
+            bucket_of = self._engine.bucket_of
+            if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
+                self._overlap.param_ready(bucket_of[p], [len(b.params) for b in self._buckets],
+                                          self._next_kind, self._launch)
         return hook
 
     def _reset_passes(self) -> None:
@@ -333,26 +266,11 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         on every rank, so it is completed and its result dropped)."""
         for p in self._passes:
             self._passes[p] = 0
-        self._ready_count = [0] * len(self._buckets)
-        self._launch_pos = 0
-        self._drain_early()
+        self._drain(self._overlap.reset(len(self._buckets)))
 
-    def _drain_early(self) -> None:
-        early, self._early = self._early, None
-        if early is None or early["kind"] is None:
-            return
-        for started in early["handles"].values():
-            for handle, _, _ in started:
-                self.transport.wait(handle)
-        for handle in early["scales"].values():
+    def _drain(self, window) -> None:
+        for handle in (window.handles() if window is not None and window.kind is not None else ()):
             self.transport.wait(handle)
-
-    # -- overlap with the backward pass --------------------------------------------------------
-    @property
-    def _launch_order(self) -> list:
-        """Buckets in the order their exchanges start: last bucket first, because backward
-        produces the last layers' gradients first. The same on every rank (MPI needs it)."""
-        return list(range(len(self._buckets) - 1, -1, -1))
 
     def _can_overlap(self) -> bool:
         # Not before the first step's settings check (a mismatch must fail fast, not hang in a
@@ -361,46 +279,25 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 and not self._amp_seen
                 and self._pending is None and getattr(self, "_ready", False))
 
-    def _launch_ready(self) -> None:
-        """Start the coming step's exchange for every bucket whose gradients are all ready, in
-        launch order: a VARIANCE step's allreduces; a COMPRESSED step's worker side (scales,
-        signs, the staged error) and round 1 (the scales' allgather), whose rounds 2–3 then
-        run in synchronize(), once every rank's round 1 is in. Local steps send nothing; a
-        SYNC step sends the update made in step(), so it starts nothing early."""
-        if self._early is None:
-            step, kind = self._next_kind()
-            early_kind = kind if kind in (StepKind.VARIANCE, StepKind.COMPRESSED) else None
-            self._early = {"step": step, "kind": early_kind, "handles": {}, "scales": {}, "pre": {}}
-        early = self._early
-        if early["kind"] is None:
-            return
-        order = self._launch_order
-        while self._launch_pos < len(order):
-            bi = order[self._launch_pos]
-            if self._ready_count[bi] < len(self._buckets[bi].params):
-                return
-            self._launch(bi)
-            self._launch_pos += 1
-
-    def _launch(self, bi: int) -> None:
-        early, b = self._early, self._buckets[bi]
-        self.transport.counter.kind = early["kind"].value
-        # What the allreduce read: checked in synchronize(), so that a gradient changed after
+    def _launch(self, window, bi: int) -> None:
+        """Start bucket ``bi``'s exchange for the coming step from the hooks (see :mod:`.overlap`)."""
+        b = self._buckets[bi]
+        self.transport.counter.kind = window.kind.value
+        # What the exchange read: checked in synchronize(), so that a gradient changed after
         # backward() (e.g. clipped without synchronize()) is not silently left out.
-        early.setdefault("seen", {})[bi] = [(p.grad, p.grad._version if p.grad is not None else None)
-                                            for p in b.params]
-        if early["kind"] is StepKind.VARIANCE:
-            early["handles"][bi] = self._start_average(b, copy=True)
+        window.seen[bi] = [(p.grad, p.grad._version if p.grad is not None else None) for p in b.params]
+        if window.kind is StepKind.VARIANCE:
+            window.averages[bi] = self._average.start(bi, b, self._engine.inv_grad_scale, copy=True)
         else:
-            early["scales"][bi] = self._start_compressed(bi, early["step"], early["pre"])
+            window.scales[bi] = self._start_compressed(bi, window.step, window.pre)
 
     def _start_compressed(self, bi: int, step: int, pre: dict):
         """Fill bucket ``bi``'s exchange input for a COMPRESSED step (``pre`` caches the
         preconditioning by bucket index) and start round 1. Returns round 1's handle."""
         b = self._buckets[bi]
         if bi not in pre:
-            pre[bi] = self._compress_denom(b, step)
-        self._fill_compressed(b, b.exchange.input, step, pre[bi] or False)
+            pre[bi] = self.algorithm.compressed_pre(self._engine, b, step, self._counters)
+        self.algorithm.fill_compressed(self._engine, b, b.exchange.input, pre[bi])
         return b.exchange.start_scales(b.exchange.input)
 
     # -- per-step helpers --------------------------------------------------------------------
@@ -408,102 +305,21 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def _counters(self) -> dict:
         return self.param_groups[0][STATE_KEY]
 
-    def _hyper(self, group: dict, step: int, exp_avg_sq_steps: int) -> kinds.Hyper:
-        beta1, beta2 = group["betas"]
-        return kinds.Hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"],
-                           decoupled=bool(group.get("decoupled_weight_decay", False)),
-                           bias_correction=self.bias_correction, step=step,
-                           exp_avg_sq_steps=max(exp_avg_sq_steps, 1))
-
     def _next_kind(self) -> tuple[int, StepKind]:
         c = self._counters
         step = c["step"] + 1
-        lr = float(self.param_groups[0]["lr"])
-        return step, self.schedule.kind(step, lr=lr, freeze_lr=c["freeze_lr"])
-
-    def _grads_into(self, bucket: _Bucket, out: torch.Tensor, raw: bool = True) -> None:
-        """out[:n] <- the bucket's gradients as float32 (None counts as 0).
-
-        ``raw``: ``p.grad`` holds this rank's own gradient (not an exchange result), which is
-        still multiplied by a ``torch.amp.GradScaler`` loss scale when one drives the step.
-        """
-        grads = []
-        for p, name in zip(bucket.params, bucket.names):
-            g = p.grad
-            if g is None:
-                g = torch.zeros_like(p)
-            elif g.is_sparse:
-                if not self.sparse_as_dense:
-                    raise ValueError(f"parameter {name!r} got a sparse gradient; pass sparse_as_dense=True "
-                                     "to hvd_zoadam.DistributedOptimizer (0/1 Adam exchanges dense tensors)")
-                g = g.to_dense()
-            grads.append(g.reshape(-1).float())
-        torch.cat(grads, out=out[:bucket.numel])
-        if raw and self._inv_grad_scale is not None:
-            out[:bucket.numel].mul_(self._inv_grad_scale)
-
-    @staticmethod
-    def _scatter(flat: torch.Tensor, targets: list) -> None:
-        torch._foreach_copy_([t.detach() for t in targets],
-                             [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in targets]), targets)])
-
-    def _write_grads(self, bucket: _Bucket, flat: torch.Tensor) -> None:
-        for p in bucket.params:
-            if p.grad is None or p.grad.is_sparse:
-                p.grad = torch.zeros_like(p)
-        self._scatter(flat[:bucket.numel], [p.grad for p in bucket.params])
-
-    def _check_params_unchanged(self) -> None:
-        """The buffers were laid out for the parameters at construction (BH-23): refuse to go on
-        when a parameter was replaced in param_groups or resized in place."""
-        current = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
-        laid_out = [p for b in self._buckets for p in b.params]
-        if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
-                and all(p.numel() == v.numel() for b in self._buckets for p, v in zip(b.params, b.views["exp_avg"])):
-            return
-        for b in self._buckets:
-            for p, v, name in zip(b.params, b.views["exp_avg"], b.names):
-                if p.numel() != v.numel():
-                    raise ValueError(f"parameter {name!r} changed shape from {tuple(v.shape)} to {tuple(p.shape)} "
-                                     "after the optimizer was built; its error buffers and chunks no longer fit. "
-                                     "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
-        raise ValueError("the trainable parameters in param_groups are not the ones hvd_zoadam laid out at "
-                         "construction (a parameter was replaced, or requires_grad changed); build a new "
-                         "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
-                         "for new parameters")
+        return step, self.algorithm.kind(step, float(self.param_groups[0]["lr"]), c["freeze_lr"])
 
     def _check_layout(self) -> None:
-        """algorithm.md §5: compare settings and parameter layout across ranks; raise on every rank on a mismatch."""
+        """algorithm.md §5: settings and parameter layout compared across ranks (raises on every rank)."""
         self._checked_layout = True
-        if self.world_size == 1:
-            return
-        mine = self._digest_items()
-        # A fixed name: the layout digest in self._uid may itself differ across ranks, and Horovod
-        # pairs collectives by name (sequential calls may reuse one).
-        everyone = self.transport.allgather_object(mine, "zoadam.layout_check")
-        for rank, theirs in enumerate(everyone):
-            if theirs == mine:
-                continue
-            keys = sorted(set(mine) | set(theirs))
-            diffs = [f"{k}: this rank ({self.transport.rank}) has {mine.get(k, '<missing>')!r}, "
-                     f"rank {rank} has {theirs.get(k, '<missing>')!r}" for k in keys if mine.get(k) != theirs.get(k)]
-            raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "
-                             "the optimizer alike. Differences: " + "; ".join(diffs[:10]))
-
-    def _digest_items(self) -> dict:
-        items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
+        items = self.algorithm.settings()
         items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
                      scale_block_numel=self.scale_block_numel, auto_exp_avg_mask=self.auto_exp_avg_mask,
-                     precondition_compression=self.precondition_compression, overlap=self.overlap,
-                     backward_passes_per_step=self.backward_passes_per_step,
+                     overlap=self.overlap, backward_passes_per_step=self.backward_passes_per_step,
                      compression=getattr(self.compression, "__name__", repr(self.compression)))
-        for i, b in enumerate(self._buckets):
-            layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(b.names, b.params)]
-            items[f"bucket{i}"] = hashlib.sha1(repr((b.group_index, layout)).encode()).hexdigest()[:12] \
-                if len(layout) > 64 else layout
-        items["buckets"] = len(self._buckets)
-        return items
+        items.update(self._engine.layout_items())
+        check_layout(self.transport, items)
 
     # -- elastic -------------------------------------------------------------------------------
     def on_reset(self) -> None:
@@ -524,18 +340,15 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """
         self.transport.refresh()
         self.world_size = self.transport.world_size
-        self._uid = self._collective_prefix()
-        for i, b in enumerate(self._buckets):
-            numels = [p.numel() for p in b.params]
-            b.exchange = Exchange(scale_segments(numels, self.scale_block_numel), self.transport,
-                                  f"zoadam.{self._uid}.b{i}", device=self._device)
-            if self._scratch["g"].numel() < b.exchange.padded_numel:
-                self._scratch["g"] = torch.zeros(b.exchange.padded_numel, device=self._device)
+        self._collectives.prefix = CollectiveNames.for_layout(self._layout_description(), self.world_size,
+                                                              self.transport.rank, self._collectives_count)[0].prefix
+        self._engine.relayout()
+        self._average = self._new_average()
         self._checked_layout = False
         self._pending = None
         self._synchronized = False
         self._exchanged = False
-        self._early = None  # handles of the old world: dropped, not waited for
+        self._overlap = Overlap(len(self._buckets))  # handles of the old world: dropped, not waited for
         self._reset_passes()
 
     # -- Horovod's contract --------------------------------------------------------------------
@@ -549,62 +362,65 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self.on_reset()
             self._passes.update(passes)
         step, kind = self._next_kind()
-        armed = kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self._can_overlap()  # the same on every rank
-        self._check_params_unchanged()
+        how = self.algorithm.gradient_exchange(kind)
+        armed = how is not None and self._can_overlap()  # the same on every rank
+        self._engine.check_params_unchanged()
         if not self._checked_layout:
             self._check_layout()
-        if self._early is not None and (self._early["step"] != step or self._early["kind"] not in (kind, None)):
-            self._drain_early()  # the schedule moved under us (a load between backward and step)
+        self._drain(self._overlap.stale(step, kind))  # the schedule moved under us (a load between backward and step)
         if armed:
             self.transport.counter.kind = kind.value
-            self._early_changed_anywhere(step, kind)
+            self._redo_if_changed(step, kind)
+        window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
         skip = False
-        self._exchanged = kind in (StepKind.VARIANCE, StepKind.COMPRESSED) and self.world_size > 1
+        self._exchanged = how is not None and self.world_size > 1
         if self._exchanged:
             self.transport.counter.kind = kind.value
-            skip = not (self._average_grads() if kind is StepKind.VARIANCE else self._compress_grads(step))
-        self._early = None
-        self._launch_pos = len(self._buckets)  # nothing more starts from the hooks this step
+            if how == "average":
+                skip = not self._average.all(self._buckets, Overlap.launch_order(len(self._buckets)),
+                                             window.averages if window else {}, self._engine.inv_grad_scale)
+            else:
+                skip = not self._compress_grads(step, window)
         self._pending = (step, kind, skip)
         self._synchronized = True
 
     def _fp16_wire(self) -> bool:
         return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
 
-    def _early_changed_anywhere(self, step: int, kind: StepKind) -> bool:
-        """Whether some rank's gradients changed after the hooks started their exchange
-        (e.g. clipped without synchronize()). One 4-byte allreduce, on every VARIANCE and
-        COMPRESSED step where overlap is armed (a rank-independent condition), so all ranks
-        agree; True means the early results are dropped and the step exchanges the gradients
-        as they are now, like overlap=False (a COMPRESSED step's early worker side only
-        staged its error: ``worker_error`` is untouched until round 2)."""
-        changed = 0.0
-        for bi, seen in (self._early or {}).get("seen", {}).items():
-            b = self._buckets[bi]
+    def _grads_changed_here(self) -> bool:
+        """Whether a gradient the hooks' exchange read was replaced or modified since."""
+        window = self._overlap.window
+        for bi, seen in (window.seen if window is not None else {}).items():
             if any(p.grad is not grad or (grad is not None and grad._version != version)
-                   for p, (grad, version) in zip(b.params, seen)):
-                changed = 1.0
-        flag = self.transport.allreduce_average_(torch.tensor([changed]), f"zoadam.{self._uid}.grads_changed.{step}")
-        if float(flag[0]) == 0.0:
+                   for p, (grad, version) in zip(self._buckets[bi].params, seen)):
+                return True
+        return False
+
+    def _redo_if_changed(self, step: int, kind: StepKind) -> bool:
+        """Whether some rank's gradients changed after the hooks started their exchange (e.g.
+        clipped without synchronize()), agreed by one 4-byte allreduce on every step where
+        overlap is armed. True: every rank completes the early exchange of every bucket once
+        (starting, with its current gradients, the ones its hooks did not start), so the names
+        pair up; the results are dropped and the step exchanges the gradients as they are now,
+        like overlap=False (a COMPRESSED step's early worker side only staged its error:
+        ``worker_error`` is untouched until round 2)."""
+        if not grads_changed_anywhere(self.transport, self._collectives, step, self._grads_changed_here()):
             return False
-        # Every rank completes the early allreduces of every bucket once (starting, with its
-        # current gradients, the ones its hooks did not start), so the names pair up; the
-        # results are dropped and the step then exchanges the current gradients.
-        early = self._early or {"handles": {}, "scales": {}, "pre": {}}
-        for bi in self._launch_order:
-            b = self._buckets[bi]
+        window = self._overlap.window
+        averages = window.averages if window else {}
+        scales = window.scales if window else {}
+        pre = window.pre if window else {}
+        for bi in Overlap.launch_order(len(self._buckets)):
             if kind is StepKind.VARIANCE:
-                started = early["handles"].pop(bi, None)
+                started = averages.pop(bi, None)
                 if started is None:
-                    started = self._start_average(b, copy=True)
+                    started = self._average.start(bi, self._buckets[bi], self._engine.inv_grad_scale, copy=True)
                 for handle, _, _ in started:
                     self.transport.wait(handle)
             else:
-                handle = early["scales"].pop(bi, None)
-                if handle is None:
-                    handle = self._start_compressed(bi, step, early["pre"])
-                self.transport.wait(handle)
-        self._early = None
+                handle = scales.pop(bi, None)
+                self.transport.wait(handle if handle is not None else self._start_compressed(bi, step, pre))
+        self._overlap.window = None
         if not self._warned_changed:
             self._warned_changed = True
             warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
@@ -614,177 +430,22 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                           "or build the optimizer with overlap=False.")
         return True
 
-    def _start_average(self, b: _Bucket, copy: bool = False) -> list:
-        """Start Horovod's in-place average of each gradient of bucket ``b`` (names fixed per
-        tensor, so the hook path and the synchronize path pair up across ranks). Counted as
-        one round of the bucket's bytes, as Horovod fuses them. Returns per-tensor
-        (handle, wire tensor, float32 tensor) triples for :meth:`_finish_average`."""
-        f = self.gradient_predivide_factor
-        width = 2 if self._fp16_wire() else 4
-        p_ = self.world_size
-        self.transport.counter.add(2 * (p_ - 1) / p_ * width * b.numel)
-        out = []
-        for j, (p, name) in enumerate(zip(b.params, b.names)):
-            g = p.grad
-            if g is None:
-                g = p.grad = torch.zeros_like(p)
-            elif g.is_sparse:
-                if not self.sparse_as_dense:
-                    raise ValueError(f"parameter {name!r} got a sparse gradient; pass sparse_as_dense=True "
-                                     "to hvd_zoadam.DistributedOptimizer (0/1 Adam exchanges dense tensors)")
-                g = p.grad = g.to_dense()
-            g32 = g if (g.dtype == torch.float32 and g.is_contiguous() and not copy) else g.float().contiguous()
-            if g32 is g and copy:
-                g32 = g.clone()
-            if self._inv_grad_scale is not None:
-                g32.mul_(self._inv_grad_scale)
-            if f != 1.0:
-                g32.div_(f)
-            wire = g32.to(torch.float16) if width == 2 else g32
-            if p_ == 1 and width == 4:  # the average of one float32 tensor is itself: no collective
-                out.append((None, wire, g32))
-                continue
-            out.append((self.transport.start("allreduce", wire.view(-1), f"{b.exchange.name}.avg.{j}", count=False),
-                        wire, g32))
-        return out
-
-    def _finish_average(self, b: _Bucket, started: list) -> list:
-        """Wait for :meth:`_start_average`'s allreduces; write the float32 averages into p.grad.
-        Returns the float32 averages, for one finiteness check of the whole step."""
-        f, averages = self.gradient_predivide_factor, []
-        for p, (handle, wire, g32) in zip(b.params, started):
-            if handle is not None:
-                self.transport.wait(handle)
-            if wire is not g32:
-                g32.copy_(wire)
-            if f != 1.0:
-                g32.mul_(f)
-            averages.append(g32)
-            if p.grad is None:  # dropped after the hooks started its allreduce
-                p.grad = torch.zeros_like(p)
-            if g32 is not p.grad:
-                p.grad.copy_(g32.view_as(p.grad))
-        return averages
-
-    def _average_grads(self) -> bool:
-        early = self._early if (self._early and self._early.get("kind") is StepKind.VARIANCE) else None
-        started = {}
-        for bi in self._launch_order:
-            if early is not None and bi in early["handles"]:
-                started[bi] = early["handles"].pop(bi)
-            else:
-                started[bi] = self._start_average(self._buckets[bi])
-        averages = []
-        for bi in self._launch_order:
-            averages += self._finish_average(self._buckets[bi], started[bi])
-        return native.all_finite_many(averages)  # on a GPU, one host synchronisation per step
-
-    def _exchange_all(self, buckets, fill, consume, consume_packed=None, started=None) -> bool:
-        """C(.) of every bucket in ``buckets``, in order. Returns False when skipped.
-
-        ``fill(bucket, buf)`` writes the input into the padded scratch ``buf``;
-        ``consume(bucket, w)`` receives the float32[n] result, or, when P > 1 and
-        ``consume_packed`` is given, ``consume_packed(bucket, packed, server_scales)`` receives
-        it still packed (a fused kernel then unpacks it). All buckets' scales are exchanged
-        first, so a non-finite input anywhere skips every bucket before any error buffer
-        changes (algorithm.md §5). At P > 1 each bucket is filled once, into its exchange's own input
-        buffer, which the worker side turns into the new error; at P = 1 with several buckets
-        the shared scratch is filled again for the second phase (bitwise alike). ``started``
-        (P > 1) maps ``id(bucket)`` to a round 1 the backward hooks already started from the
-        bucket's exchange input; those buckets are not filled again.
-        """
-        g, w = self._scratch["g"], self._scratch["w"]
-        if self.world_size == 1 and len(buckets) == 1:  # C(y) = y: fill once, hand y itself over
-            b = buckets[0]
-            buf = g[:b.exchange.padded_numel]
-            fill(b, buf)
-            if b.exchange.prepare(buf) is None:
-                return False
-            consume(b, buf[:b.numel])
-            return True
-        if self.world_size == 1:
-            prepared = []
-            for b in buckets:
-                buf = g[:b.exchange.padded_numel]
-                fill(b, buf)
-                scales = b.exchange.prepare(buf)
-                if scales is None:
-                    return False
-                prepared.append(scales)
-            for b, scales in zip(buckets, prepared):
-                buf = g[:b.exchange.padded_numel]
-                fill(b, buf)
-                consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
-            return True
-        # Pipelined in bucket order (the same on every rank, as MPI requires): each bucket's
-        # collective is in flight while the next bucket's scales / signs / server chunk are
-        # computed. Round 1 of every bucket completes before any error buffer changes.
-        handles = {}
-        for b in buckets:
-            if started and id(b) in started:
-                handles[id(b)] = started[id(b)]
-                continue
-            fill(b, b.exchange.input)
-            handles[id(b)] = b.exchange.start_scales(b.exchange.input)
-        prepared = [b.exchange.wait_scales(handles[id(b)]) for b in buckets]
-        if any(scales is None for scales in prepared):
-            return False
-        handles = [b.exchange.start_signs(scales) for b, scales in zip(buckets, prepared)]
-        handles = [b.exchange.start_server(h, scales) for b, h, scales in zip(buckets, handles, prepared)]
-        for b, h in zip(buckets, handles):
-            if consume_packed is not None:
-                consume_packed(b, *b.exchange.gather(h))
-            else:
-                consume(b, b.exchange.finish_gather(h, w[:b.numel]))
-        return True
-
-    def _compress_denom(self, b: _Bucket, step: int):
-        """(s, clip) of bucket ``b`` for the preconditioned exchange of a COMPRESSED step, or None."""
-        if not self.precondition_compression:
-            return None
-        k = self._counters["exp_avg_sq_steps"]
-        h = self._hyper(self.param_groups[b.group_index], step, k)
-        return kinds.adam_denom(b.exp_avg_sq, h), kinds.normalized_gradient_bound(h, k)
-
-    def _fill_compressed(self, b: _Bucket, buf: torch.Tensor, step: int, pre=None) -> None:
-        """buf <- the exchange input of a COMPRESSED step: g, or g/s clipped (see _compress_grads)."""
-        pre = self._compress_denom(b, step) if pre is None else (pre or None)
-        buf[b.numel:].zero_()
-        self._grads_into(b, buf)
-        if pre is not None:
-            native.clamp_finite_(buf[:b.numel].div_(pre[0]), pre[1])  # a NaN/Inf must reach the scales
-
-    def _compress_grads(self, step: int) -> bool:
-        """C(g) of every bucket into p.grad.
-
-        With ``precondition_compression`` the exchange runs on y = g/s (s = sqrt(v̂) + eps,
-        identical on all ranks), clipped to |y| <= sqrt(1 − β2^(k+1)) / sqrt(1 − β2) — the
-        largest |g|/sqrt(v̂) Adam itself allows once v has seen g — and the result is multiplied
-        back by s. Each coordinate's compression error then scales with its own s, and a
-        coordinate whose gradient appears after v was last updated cannot blow up the scale of
-        its block (README: "Compression domain").
-        """
-        early = self._early if (self._early and self._early.get("kind") is StepKind.COMPRESSED) else None
-        cached = early["pre"] if early is not None else {}
-        pre = {id(b): cached[bi] if bi in cached else self._compress_denom(b, step)
+    def _compress_grads(self, step: int, window) -> bool:
+        """C(g) of every bucket into p.grad, shaped by the algorithm (see ZeroOneAdam.compressed_pre),
+        in launch order, as the hooks start them (MPI pairs collectives by their order).
+        Returns False when the step is skipped on every rank."""
+        cached = window.pre if window is not None else {}
+        engine, algorithm = self._engine, self.algorithm
+        pre = {id(b): cached[bi] if bi in cached else algorithm.compressed_pre(engine, b, step, self._counters)
                for bi, b in enumerate(self._buckets)}
-        started = {id(self._buckets[bi]): handle for bi, handle in early["scales"].items()} if early else {}
-        if early is not None:
-            early["scales"] = {}
-
-        def fill(b, buf):
-            self._fill_compressed(b, buf, step, pre[id(b)] or False)
-
-        def consume(b, w):
-            if pre[id(b)] is not None:
-                w.mul_(pre[id(b)][0])
-            mask = self._mask_of(b)
-            if mask is not None:
-                w.mul_(mask)
-                b.exchange.mask_errors(mask)
-            self._write_grads(b, w)
-        # In launch order, as the hooks start them (MPI pairs collectives by their order).
-        return self._exchange_all([self._buckets[bi] for bi in self._launch_order], fill, consume, started=started)
+        started = {id(self._buckets[bi]): h for bi, h in window.scales.items()} if window is not None else {}
+        if window is not None:
+            window.scales = {}
+        return exchange_buckets([self._buckets[bi] for bi in Overlap.launch_order(len(self._buckets))],
+                                engine.scratch["g"], engine.scratch["w"],
+                                lambda b, buf: algorithm.fill_compressed(engine, b, buf, pre[id(b)]),
+                                lambda b, w: algorithm.consume_compressed(engine, b, w, pre[id(b)]),
+                                started=started)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -825,12 +486,12 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                     "with torch.amp.GradScaler, let scaler.step(optimizer) run hvd_zoadam's exchange: do not "
                     "call optimizer.synchronize() before it (the gradients would be exchanged at the loss "
                     "scale). To clip, call scaler.unscale_(optimizer) and clip the local gradients instead.")
-            self._inv_grad_scale = 1.0 / float(grad_scale)
+            self._engine.inv_grad_scale = 1.0 / float(grad_scale)
             self._amp_seen = True
         try:
             return self._step(loss)
         finally:
-            self._inv_grad_scale = None
+            self._engine.inv_grad_scale = None
 
     def _step(self, loss):
         if self._should_synchronize:
@@ -846,13 +507,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._pending = None
         self._synchronized = False
         counters = self._counters
-        if kind in (StepKind.LOCAL, StepKind.SYNC) and step == self.schedule.var_freeze_step + 1:
-            self._enter_freeze(counters)
-        k = counters["exp_avg_sq_steps"] + (1 if kind is StepKind.VARIANCE and not skip else 0)
         self.transport.counter.kind = kind.value
-        if not skip:
-            {StepKind.VARIANCE: self._variance_step, StepKind.COMPRESSED: self._compressed_step,
-             StepKind.LOCAL: self._local_step, StepKind.SYNC: self._sync_step}[kind](step, k)
+        ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange)
+        k = self.algorithm.apply(ctx, kind, skip)
         self._record(kind, skip)
         counters.update(step=step, exp_avg_sq_steps=k)
         if self._step_log:
@@ -860,189 +517,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._reset_passes()
         return loss
 
-    def _enter_freeze(self, counters: dict) -> None:
-        """algorithm.md §4 'At the freeze': zero both error buffers, anchor <- x, remember lr."""
-        counters["freeze_lr"] = float(self.param_groups[0]["lr"])
-        for b in self._buckets:
-            b.exchange.zero_errors()
-            b.anchor.copy_(self._load_x(b))
-        for group in self.param_groups:
-            group["lr_sum"], group["decay_product"] = 0.0, 1.0
-
-    def _mask_of(self, b: _Bucket):
-        """The momentum mask in force for bucket ``b`` (None when there is none).
-
-        With ``auto_exp_avg_mask``, a coordinate whose ``exp_avg_sq`` is exactly 0 is masked:
-        its averaged gradient was exactly 0 on all ranks in every VARIANCE step so far. Such a
-        coordinate cannot take an Adam step with the (frozen) v: the step would be m/eps, and
-        sign compression hands it ±scale noise. No extra memory: the test reads v.
-        """
-        if not self.auto_exp_avg_mask:
-            return b.mask
-        # Cached until exp_avg_sq changes (its version counter moves on every in-place write:
-        # a VARIANCE step, a load, a broadcast); None when nothing is masked, which saves a
-        # pass over the bucket in every step and is bitwise the same as an all-ones mask.
-        key = (b.exp_avg_sq._version, id(b.mask))
-        cached = self._mask_cache.get(id(b))
-        if cached is None or cached[0] != key:
-            seen = b.exp_avg_sq != 0
-            mask = seen if b.mask is None else seen & b.mask.bool()
-            cached = (key, None if bool(mask.all()) else mask)
-            self._mask_cache[id(b)] = cached
-        return cached[1]
-
-    def _load_x(self, b: _Bucket) -> torch.Tensor:
-        """x as float32[n]: the fp32 params gathered, or the master weights of fp16/bf16 params.
-
-        Master weights are re-read from the params when someone else changed them since our
-        last write (a model load or a broadcast), detected by comparing the rounded values.
-        """
-        if b.master is None:
-            x = self._scratch["x"][:b.numel]
-            torch.cat([p.detach().reshape(-1).float() for p in b.params], out=x)
-            return x
-        views = b.master.split([p.numel() for p in b.params])
-        for p, v in zip(b.params, views):
-            if not torch.equal(v.to(p.dtype), p.detach().reshape(-1)):
-                v.copy_(p.detach().reshape(-1))
-        return b.master
-
-    def _variance_step(self, step, k):
-        g = self._scratch["g"]
-        for b in self._buckets:
-            h = self._hyper(self.param_groups[b.group_index], step, k)
-            self._grads_into(b, g, raw=not self._exchanged)
-            x = self._load_x(b)
-            # Only the user's mask here: with the exact average, v == 0 after this step means every
-            # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
-            kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=self._scratch_d(b.numel))
-            self._scatter(x, b.params)
-
-    def _compressed_step(self, step, k):
-        g = self._scratch["g"]
-        for b in self._buckets:
-            h = self._hyper(self.param_groups[b.group_index], step, k)
-            self._grads_into(b, g, raw=not self._exchanged)
-            x = self._load_x(b)
-            denom = kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel))
-            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, self._mask_of(b))
-            self._scatter(x, b.params)
-
-    def _scratch_d(self, numel: int) -> torch.Tensor:
-        """A reusable float32 buffer for a denominator used at once (not kept across buckets)."""
-        d = self._scratch.get("d")
-        if d is None or d.numel() < numel:
-            d = self._scratch["d"] = torch.empty(max(numel, max(b.numel for b in self._buckets)), device=self._device)
-        return d[:numel]
-
-    def _local_update(self, b: _Bucket, h: kinds.Hyper, denom) -> torch.Tensor:
-        g = self._scratch["g"]
-        self._grads_into(b, g)
-        x = self._load_x(b)
-        if native.all_finite(g[:b.numel]):
-            if self.precondition_compression:
-                # v is frozen: bound |g|/s as Adam would once v had seen g (see _compress_grads)
-                native.clamp_by(g[:b.numel], denom, kinds.normalized_gradient_bound(h, self._counters["exp_avg_sq_steps"]))
-            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, self._mask_of(b))
-        return x
-
-    def _advance_window(self, step):
-        for group in self.param_groups:
-            lr = float(group["lr"])
-            group["lr_sum"] = group["lr_sum"] + lr
-            if group["weight_decay"] and group.get("decoupled_weight_decay", False):
-                group["decay_product"] = group["decay_product"] * (1 - lr * group["weight_decay"])
-
-    def _local_step(self, step, k):
-        for b in self._buckets:
-            h = self._hyper(self.param_groups[b.group_index], step, k)
-            x = self._local_update(b, h, kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel)))
-            self._scatter(x, b.params)
-        self._advance_window(step)
-
-    def _sync_step(self, step, k):
-        in_scratch = {"d": None, "x": None}  # whose denominator / x the shared scratch holds now
-
-        def denom_of(b):
-            # recomputed into the shared scratch where it is used (bitwise the same each time, v is
-            # frozen): keeping every bucket's denominator alive through the exchange cost a fresh
-            # bucket-sized allocation per bucket and step, slower than the recomputation
-            if in_scratch["d"] is not b:
-                h = self._hyper(self.param_groups[b.group_index], step, k)
-                kinds.adam_denom(b.exp_avg_sq, h, out=self._scratch_d(b.numel))
-                in_scratch["d"] = b
-            return self._scratch_d(b.numel)
-
-        def x_of(b):
-            # x as the local update left it (and scattered it): no second gather when it is still there
-            if in_scratch["x"] is not b:
-                self._load_x(b)
-                in_scratch["x"] = b
-            return b.master if b.master is not None else self._scratch["x"][:b.numel]
-
-        # With one bucket its x stays in the scratch until the sync rebuilds it, so the local
-        # update's x is written to the parameters only if the bucket is not rebuilt after all.
-        defer = len(self._buckets) == 1
-        rebuilt = set()
-        for b in self._buckets:
-            h = self._hyper(self.param_groups[b.group_index], step, k)
-            x = self._local_update(b, h, denom_of(b))
-            if not defer:
-                self._scatter(x, b.params)
-            in_scratch["x"] = b
-        self._advance_window(step)
-
-        def fill(b, buf):
-            group = self.param_groups[b.group_index]
-            buf[b.numel:].zero_()
-            if self.precondition_compression:  # the common case in one pass
-                native.sync_prepare(x_of(b), b.anchor, group["decay_product"], buf[:b.numel])
-            else:
-                kinds.sync_prepare(x_of(b), b.anchor, denom_of(b), group["decay_product"], buf[:b.numel], False)
-
-        def consume(b, w):
-            group = self.param_groups[b.group_index]
-            x = b.master if b.master is not None else self._scratch["x"][:b.numel]
-            in_scratch["x"] = None  # overwritten with the new x below
-            mask = self._mask_of(b)
-            h = self._hyper(group, step, k)
-            if mask is None and self.precondition_compression:  # the common case in one pass
-                native.sync_rebuild(w, b.anchor, x, b.exp_avg, denom_of(b), h.bias_correction1 / group["lr_sum"],
-                                    group["decay_product"])
-            else:
-                if group["decay_product"] != 1.0:
-                    b.anchor.mul_(group["decay_product"])
-                kinds.sync_finish(x, b.anchor, b.exp_avg, denom_of(b), w, group["lr_sum"], h, mask,
-                                  self.precondition_compression)
-            if mask is not None:
-                b.exchange.mask_errors(mask)
-            self._scatter(x, b.params)
-            rebuilt.add(id(b))
-
-        def consume_packed(b, packed, server_scales):
-            # the same as consume(), fused: w is unpacked straight into x, m and the anchor
-            group = self.param_groups[b.group_index]
-            x = b.master if b.master is not None else self._scratch["x"][:b.numel]
-            in_scratch["x"] = None  # overwritten with the new x below
-            mask = self._mask_of(b)
-            native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x,
-                                   exp_avg=b.exp_avg, denom=denom_of(b),
-                                   factor=self._hyper(group, step, k).bias_correction1 / group["lr_sum"],
-                                   decay_product=group["decay_product"], mask=mask,
-                                   preconditioned=self.precondition_compression)
-            if mask is not None:
-                b.exchange.mask_errors(mask)
-            self._scatter(x, b.params)
-            rebuilt.add(id(b))
-
-        # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
-        live = [b for b in self._buckets if self.param_groups[b.group_index]["lr_sum"] > 0]
-        if self._exchange_all(live, fill, consume, consume_packed):
-            for group in self.param_groups:
-                group["lr_sum"], group["decay_product"] = 0.0, 1.0
-        if defer and id(self._buckets[0]) not in rebuilt:  # skipped, or a window that did not move
-            b = self._buckets[0]
-            self._scatter(x_of(b), b.params)
+    def _exchange(self, buckets, fill, consume, consume_packed=None) -> bool:
+        """The 1-bit exchange of ``buckets`` for a step function (see :func:`.protocol.exchange_buckets`)."""
+        return exchange_buckets(buckets, self._engine.scratch["g"], self._engine.scratch["w"], fill, consume,
+                                consume_packed)
 
     def _record(self, kind: StepKind, skip: bool) -> None:
         c = self.transport.counter
@@ -1091,12 +569,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master
         weights for fp16/bf16 parameters), ``error_buffers``,
         ``scratch`` (reused every step) and ``total``."""
-        state = sum((3 + (b.master is not None)) * 4 * b.numel + (b.mask is not None) * b.numel
-                    for b in self._buckets)
-        errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self._buckets)
-        scratch = sum(t.numel() * t.element_size() for t in self._scratch.values()) \
-            + sum(b.exchange.memory_bytes()["scratch"] for b in self._buckets)
-        return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+        return self._engine.memory_bytes()
 
     def schedule_state(self) -> dict:
         """The schedule after the last step: step, frozen, var_interval, var_counter,
@@ -1117,7 +590,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         :mod:`hvd_zoadam.checkpoint` for files.
         """
         return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
-                "layout": self._uid.split(".")[0],
+                "layout": self._collectives.layout_digest,
                 "buckets": [{"worker_error": b.exchange.worker_error.to("cpu", copy=True),
                              "server_error": b.exchange.server_error.to("cpu", copy=True)} for b in self._buckets]}
 
@@ -1130,7 +603,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """
         usable = (rank_state is not None and rank_state.get("world_size") == self.world_size
                   and rank_state.get("rank") == self.transport.rank
-                  and rank_state.get("layout") == self._uid.split(".")[0]
+                  and rank_state.get("layout") == self._collectives.layout_digest
                   and len(rank_state.get("buckets", ())) == len(self._buckets))
         for i, b in enumerate(self._buckets):
             if usable:

@@ -1,6 +1,15 @@
-"""The two-phase 1-bit compressed allreduce C(y) of algorithm.md §3.
+"""The exchange of buckets: every collective hvd_zoadam issues, and every collective name.
 
-Per bucket (one or more tensors laid out as segments of one flat buffer):
+* :class:`Exchange`: one bucket's two-phase 1-bit compressed allreduce C(y) (algorithm.md §3),
+  in nonblocking phases; :func:`exchange_buckets` pipelines it over several buckets.
+* :class:`Average`: the full-precision (fp32 or fp16-on-the-wire) average of a bucket's
+  gradients, with its byte accounting.
+* :func:`grads_changed_anywhere` (the 4-byte "gradients changed after backward()?" flag)
+  and :func:`check_layout` (the settings and layout check of algorithm.md §5).
+* :class:`CollectiveNames`: the one owner of collective names. Horovod pairs collectives
+  by name and MPI by order, so both the names and the start order are part of the protocol.
+
+C(y) per bucket (one or more tensors laid out as segments of one flat buffer):
 
 1. worker side: ``z = y + worker_error``; one scale per segment,
    ``||z_seg|| / sqrt(len_seg)`` in float64; the signs packed MSB first; the new error
@@ -27,6 +36,51 @@ import torch
 from . import native
 from .layout import padded_numel, segment_offsets
 from .transport import Transport, make_transport
+
+
+LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
+_prefix_counts: dict = {}  # (layout digest, rank) -> optimizers built over it in this process
+
+
+class CollectiveNames:
+    """The rank-independent names of one optimizer's collectives.
+
+    ``prefix`` is ``"<layout digest>.<count>"``: a digest of the parameter layout and world
+    size, and how many optimizers over the same layout this process built before (so an
+    extra optimizer built on every rank, e.g. for evaluation, does not pair with another).
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    @property
+    def layout_digest(self) -> str:
+        return self.prefix.split(".")[0]
+
+    def bucket(self, index: int) -> str:
+        """Prefix of bucket ``index``'s exchange: ``.scales``, ``.signs``, ``.server`` follow."""
+        return f"zoadam.{self.prefix}.b{index}"
+
+    def average(self, index: int, tensor: int) -> str:
+        """The full-precision allreduce of tensor ``tensor`` of bucket ``index``."""
+        return f"{self.bucket(index)}.avg.{tensor}"
+
+    def grads_changed(self, step: int) -> str:
+        return f"zoadam.{self.prefix}.grads_changed.{step}"
+
+    @staticmethod
+    def for_layout(layout, world_size: int, rank: int, count: int | None = None) -> tuple["CollectiveNames", int]:
+        """Names for an optimizer over ``layout`` (a repr-able description of its parameters).
+        ``count``: the optimizer's number among those over this layout in this process
+        (None: the next one, counted per rank so that thread-ranks sharing a process name
+        their collectives as separate processes do). Returns (names, count)."""
+        import hashlib
+        digest = hashlib.sha1(repr((layout, world_size)).encode()).hexdigest()[:10]
+        if count is None:
+            key = (digest, rank)
+            count = _prefix_counts.get(key, 0)
+            _prefix_counts[key] = count + 1
+        return CollectiveNames(f"{digest}.{count}"), count
 
 
 class NonFiniteError(FloatingPointError):
@@ -176,6 +230,178 @@ class Exchange:
     def finish_gather(self, server_handle, out: torch.Tensor) -> torch.Tensor:
         """Wait for round 3 and decompress C(y) into ``out`` (float32[numel])."""
         return native.decompress(*self.gather(server_handle), self.plan, out)
+
+
+class Average:
+    """The full-precision average of buckets' gradients (VARIANCE steps), as Horovod does it.
+
+    Per tensor an in-place ``allreduce`` with op=Average on ``p.grad`` (a float32 copy), named
+    per bucket and tensor so that the hooks' path and ``synchronize()``'s pair up across
+    ranks; a bucket counts as one round of its bytes, as Horovod fuses them. With
+    ``fp16_wire`` the tensors travel as float16 (``hvd.Compression.fp16``);
+    ``gradient_predivide_factor`` f splits the average into a divide by f before and a
+    multiply by f after Horovod's average, as Horovod does.
+
+    Args:
+        transport: the collectives. names: the :class:`CollectiveNames`.
+        sparse_grad: ``sparse_grad(name, g)`` densifies a sparse gradient or raises.
+    """
+
+    def __init__(self, transport: Transport, names: CollectiveNames, *, gradient_predivide_factor: float,
+                 fp16_wire: bool, sparse_grad):
+        self.transport = transport
+        self.names = names
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.fp16_wire = fp16_wire
+        self.sparse_grad = sparse_grad
+
+    def start(self, index: int, b, inv_grad_scale=None, copy: bool = False) -> list:
+        """Start the average of each gradient of bucket ``b`` (number ``index``). ``copy``:
+        average a copy, leaving ``p.grad`` as it is until :meth:`finish` (the hooks' early
+        start, whose gradients may still change). Returns per-tensor (handle, wire tensor,
+        float32 tensor) triples for :meth:`finish`."""
+        f = self.gradient_predivide_factor
+        width = 2 if self.fp16_wire else 4
+        p_ = self.transport.world_size
+        self.transport.counter.add(2 * (p_ - 1) / p_ * width * b.numel)
+        out = []
+        for j, (p, name) in enumerate(zip(b.params, b.names)):
+            g = p.grad
+            if g is None:
+                g = p.grad = torch.zeros_like(p)
+            elif g.is_sparse:
+                g = p.grad = self.sparse_grad(name, g)
+            g32 = g if (g.dtype == torch.float32 and g.is_contiguous() and not copy) else g.float().contiguous()
+            if g32 is g and copy:
+                g32 = g.clone()
+            if inv_grad_scale is not None:
+                g32.mul_(inv_grad_scale)
+            if f != 1.0:
+                g32.div_(f)
+            wire = g32.to(torch.float16) if width == 2 else g32
+            if p_ == 1 and width == 4:  # the average of one float32 tensor is itself: no collective
+                out.append((None, wire, g32))
+                continue
+            out.append((self.transport.start("allreduce", wire.view(-1), self.names.average(index, j), count=False),
+                        wire, g32))
+        return out
+
+    def finish(self, b, started: list) -> list:
+        """Wait for :meth:`start`'s allreduces; write the float32 averages into p.grad.
+        Returns the float32 averages, for one finiteness check of the whole step."""
+        f, averages = self.gradient_predivide_factor, []
+        for p, (handle, wire, g32) in zip(b.params, started):
+            if handle is not None:
+                self.transport.wait(handle)
+            if wire is not g32:
+                g32.copy_(wire)
+            if f != 1.0:
+                g32.mul_(f)
+            averages.append(g32)
+            if p.grad is None:  # dropped after the hooks started its allreduce
+                p.grad = torch.zeros_like(p)
+            if g32 is not p.grad:
+                p.grad.copy_(g32.view_as(p.grad))
+        return averages
+
+    def all(self, buckets: list, order: list, started: dict, inv_grad_scale=None) -> bool:
+        """The average of every bucket, started in ``order`` (bucket indices) unless
+        ``started`` (index -> :meth:`start`'s result, taken from it) holds it already.
+        Returns whether every average is finite."""
+        handles = {}
+        for bi in order:
+            handles[bi] = started.pop(bi) if bi in started else self.start(bi, buckets[bi], inv_grad_scale)
+        averages = []
+        for bi in order:
+            averages += self.finish(buckets[bi], handles[bi])
+        return native.all_finite_many(averages)  # on a GPU, one host synchronisation per step
+
+
+def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Tensor, fill, consume,
+                     consume_packed=None, started=None) -> bool:
+    """C(.) of every bucket in ``buckets``, in order (the same on every rank, as MPI requires).
+    Returns False when the exchange is skipped on every rank (a non-finite input somewhere).
+
+    ``fill(bucket, buf)`` writes the input into the padded float32 ``buf``; ``consume(bucket, w)``
+    receives the float32[n] result, or, when P > 1 and ``consume_packed`` is given,
+    ``consume_packed(bucket, packed, server_scales)`` receives it still packed (a fused kernel
+    then unpacks it). All buckets' scales are exchanged first, so a non-finite input anywhere
+    skips every bucket before any error buffer changes (algorithm.md §5). At P > 1 each bucket
+    is filled once, into its exchange's own input buffer, which the worker side turns into the
+    new error; at P = 1 with several buckets the scratch ``scratch_g`` is filled again for the
+    second phase (bitwise alike). ``started`` (P > 1) maps ``id(bucket)`` to a round 1 the
+    backward hooks already started from the bucket's exchange input; those buckets are not
+    filled again. ``scratch_w``: float32, at least the largest bucket's numel.
+    """
+    g, w = scratch_g, scratch_w
+    world_size = buckets[0].exchange.transport.world_size if buckets else 1
+    if world_size == 1 and len(buckets) == 1:  # C(y) = y: fill once, hand y itself over
+        b = buckets[0]
+        buf = g[:b.exchange.padded_numel]
+        fill(b, buf)
+        if b.exchange.prepare(buf) is None:
+            return False
+        consume(b, buf[:b.numel])
+        return True
+    if world_size == 1:
+        prepared = []
+        for b in buckets:
+            buf = g[:b.exchange.padded_numel]
+            fill(b, buf)
+            scales = b.exchange.prepare(buf)
+            if scales is None:
+                return False
+            prepared.append(scales)
+        for b, scales in zip(buckets, prepared):
+            buf = g[:b.exchange.padded_numel]
+            fill(b, buf)
+            consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
+        return True
+    # Pipelined: each bucket's collective is in flight while the next bucket's scales / signs /
+    # server chunk are computed. Round 1 of every bucket completes before any error buffer changes.
+    handles = {}
+    for b in buckets:
+        if started and id(b) in started:
+            handles[id(b)] = started[id(b)]
+            continue
+        fill(b, b.exchange.input)
+        handles[id(b)] = b.exchange.start_scales(b.exchange.input)
+    prepared = [b.exchange.wait_scales(handles[id(b)]) for b in buckets]
+    if any(scales is None for scales in prepared):
+        return False
+    handles = [b.exchange.start_signs(scales) for b, scales in zip(buckets, prepared)]
+    handles = [b.exchange.start_server(h, scales) for b, h, scales in zip(buckets, handles, prepared)]
+    for b, h in zip(buckets, handles):
+        if consume_packed is not None:
+            consume_packed(b, *b.exchange.gather(h))
+        else:
+            consume(b, b.exchange.finish_gather(h, w[:b.numel]))
+    return True
+
+
+def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: int, changed: bool) -> bool:
+    """Whether some rank's gradients changed after the hooks started their exchange: one 4-byte
+    allreduce, on every VARIANCE and COMPRESSED step where overlap is armed (a rank-independent
+    condition), so that all ranks agree."""
+    flag = transport.allreduce_average_(torch.tensor([1.0 if changed else 0.0]), names.grads_changed(step))
+    return float(flag[0]) != 0.0
+
+
+def check_layout(transport: Transport, mine: dict) -> None:
+    """algorithm.md §5: compare settings and parameter layout (``mine``, a dict of picklable
+    items) across ranks. Raises ValueError on every rank on a mismatch, naming each difference
+    with both values. Collectives: one object allgather (uncounted), at P > 1."""
+    if transport.world_size == 1:
+        return
+    everyone = transport.allgather_object(mine, LAYOUT_CHECK)
+    for rank, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        keys = sorted(set(mine) | set(theirs))
+        diffs = [f"{k}: this rank ({transport.rank}) has {mine.get(k, '<missing>')!r}, "
+                 f"rank {rank} has {theirs.get(k, '<missing>')!r}" for k in keys if mine.get(k) != theirs.get(k)]
+        raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "
+                         "the optimizer alike. Differences: " + "; ".join(diffs[:10]))
 
 
 def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,

@@ -1,0 +1,269 @@
+"""0/1 Adam (Lu, Li, Zhang, De Sa, He, arXiv 2202.06009, ICLR 2023) as step functions.
+
+The four kinds of step of docs/algorithm.md §2 over each bucket's flat float32 tensors:
+
+* VARIANCE: m and v from the full-precision average of g;
+* COMPRESSED: m from the 1-bit exchange of g (or of g/s, ``precondition_compression``);
+* LOCAL: m from the local g, nothing sent, the window's Λ grows;
+* SYNC: a LOCAL step, then the 1-bit exchange of the window's update x_a − x (or
+  (x_a − x)·s), from which x and m are rebuilt bitwise alike on every rank.
+
+The math is :mod:`hvd_zoadam.kinds` and :mod:`hvd_zoadam.native`; the schedule is
+:class:`hvd_zoadam.schedule.Schedule` (algorithm.md §4). No collectives here: the gradient
+exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exchange``.
+"""
+from __future__ import annotations
+
+from .. import kinds, native
+from ..schedule import Schedule, StepKind
+from . import StepContext
+
+
+class ZeroOneAdam:
+    """0/1 Adam's schedule and step functions.
+
+    Args:
+        schedule: the pure :class:`~hvd_zoadam.schedule.Schedule` (T_v, T_f, T_u).
+        precondition_compression: compress g/s and x_a − x (True, the default) instead of the
+            paper's g and (x_a − x)·s (docs/algorithm.md §2, "Compression domain").
+    """
+
+    name = "zoadam"
+    GRADIENT_EXCHANGE = {StepKind.VARIANCE: "average", StepKind.COMPRESSED: "compressed",
+                         StepKind.LOCAL: None, StepKind.SYNC: None}
+
+    def __init__(self, schedule: Schedule, precondition_compression: bool = True):
+        self.schedule = schedule
+        self.precondition_compression = precondition_compression
+
+    def kind(self, step: int, lr: float, freeze_lr) -> StepKind:
+        return self.schedule.kind(step, lr=lr, freeze_lr=freeze_lr)
+
+    def gradient_exchange(self, kind: StepKind):
+        return self.GRADIENT_EXCHANGE[kind]
+
+    def settings(self) -> dict:
+        """The settings every rank must share (for the layout check)."""
+        items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
+        items["precondition_compression"] = self.precondition_compression
+        return items
+
+    # -- the COMPRESSED step's gradient exchange (run by synchronize() or the hooks) ----------
+    def compressed_pre(self, engine, b, step: int, counters: dict):
+        """(s, clip) of bucket ``b`` for the preconditioned exchange of a COMPRESSED step, or None.
+
+        With ``precondition_compression`` the exchange runs on y = g/s (s = sqrt(v̂) + eps,
+        identical on all ranks), clipped to |y| <= sqrt(1 − β2^(k+1)) / sqrt(1 − β2), the
+        largest |g|/sqrt(v̂) Adam itself allows once v has seen g, and the result is
+        multiplied back by s. Each coordinate's compression error then scales with its own s,
+        and a coordinate whose gradient appears after v was last updated cannot blow up the
+        scale of its block.
+        """
+        if not self.precondition_compression:
+            return None
+        k = counters["exp_avg_sq_steps"]
+        h = engine.hyper(b, step, k)
+        return kinds.adam_denom(b.exp_avg_sq, h), kinds.normalized_gradient_bound(h, k)
+
+    @staticmethod
+    def fill_compressed(engine, b, buf, pre) -> None:
+        """buf <- the exchange input of a COMPRESSED step: g, or g/s clipped (``pre`` = (s, clip))."""
+        buf[b.numel:].zero_()
+        engine.grads_into(b, buf)
+        if pre is not None:
+            native.clamp_finite_(buf[:b.numel].div_(pre[0]), pre[1])  # a NaN/Inf must reach the scales
+
+    @staticmethod
+    def consume_compressed(engine, b, w, pre) -> None:
+        """p.grad <- the exchanged ĝ (times s when preconditioned; masked coordinates 0)."""
+        if pre is not None:
+            w.mul_(pre[0])
+        mask = engine.mask_of(b)
+        if mask is not None:
+            w.mul_(mask)
+            b.exchange.mask_errors(mask)
+        engine.write_grads(b, w)
+
+    # -- the step ------------------------------------------------------------------------------
+    def apply(self, ctx: StepContext, kind: StepKind, skip: bool) -> int:
+        """Run step ``ctx.step`` of ``kind`` on every bucket (nothing when ``skip``: the agreed
+        skip of algorithm.md §5). Returns the new ``exp_avg_sq_steps`` k."""
+        if kind in (StepKind.LOCAL, StepKind.SYNC) and ctx.step == self.schedule.var_freeze_step + 1:
+            self.enter_freeze(ctx)
+        k = ctx.counters["exp_avg_sq_steps"] + (1 if kind is StepKind.VARIANCE and not skip else 0)
+        if not skip:
+            {StepKind.VARIANCE: variance_step, StepKind.COMPRESSED: compressed_step,
+             StepKind.LOCAL: self.local_step, StepKind.SYNC: self.sync_step}[kind](ctx, k)
+        return k
+
+    @staticmethod
+    def enter_freeze(ctx: StepContext) -> None:
+        """algorithm.md §4 'At the freeze': zero both error buffers, anchor <- x, remember lr."""
+        engine = ctx.engine
+        ctx.counters["freeze_lr"] = float(engine.param_groups[0]["lr"])
+        for b in engine.buckets:
+            b.exchange.zero_errors()
+            b.anchor.copy_(engine.load_x(b))
+        for group in engine.param_groups:
+            group["lr_sum"], group["decay_product"] = 0.0, 1.0
+
+    def local_update(self, ctx: StepContext, b, h: kinds.Hyper, denom):
+        """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
+        is not finite, algorithm.md §5). Returns x, float32[n], not yet scattered."""
+        engine = ctx.engine
+        g = engine.scratch["g"]
+        engine.grads_into(b, g)
+        x = engine.load_x(b)
+        if native.all_finite(g[:b.numel]):
+            if self.precondition_compression:
+                # v is frozen: bound |g|/s as Adam would once v had seen g (see compressed_pre)
+                native.clamp_by(g[:b.numel], denom,
+                                kinds.normalized_gradient_bound(h, ctx.counters["exp_avg_sq_steps"]))
+            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, engine.mask_of(b))
+        return x
+
+    def local_step(self, ctx: StepContext, k: int) -> None:
+        engine = ctx.engine
+        for b in engine.buckets:
+            h = engine.hyper(b, ctx.step, k)
+            x = self.local_update(ctx, b, h, kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel)))
+            engine.scatter(x, b.params)
+        advance_window(engine.param_groups)
+
+    def sync_step(self, ctx: StepContext, k: int) -> None:
+        _SyncStep(self, ctx, k).run()
+
+
+def variance_step(ctx: StepContext, k: int) -> None:
+    """VARIANCE on every bucket, from the averaged gradients in p.grad."""
+    engine = ctx.engine
+    g = engine.scratch["g"]
+    for b in engine.buckets:
+        h = engine.hyper(b, ctx.step, k)
+        engine.grads_into(b, g, raw=not ctx.exchanged)
+        x = engine.load_x(b)
+        # Only the user's mask here: with the exact average, v == 0 after this step means every
+        # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
+        kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=engine.scratch_d(b.numel))
+        engine.scatter(x, b.params)
+
+
+def compressed_step(ctx: StepContext, k: int) -> None:
+    """COMPRESSED on every bucket, from ĝ in p.grad (the local g at P = 1)."""
+    engine = ctx.engine
+    g = engine.scratch["g"]
+    for b in engine.buckets:
+        h = engine.hyper(b, ctx.step, k)
+        engine.grads_into(b, g, raw=not ctx.exchanged)
+        x = engine.load_x(b)
+        denom = kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
+        kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, engine.mask_of(b))
+        engine.scatter(x, b.params)
+
+
+def advance_window(param_groups) -> None:
+    """Λ += γ and the window's decay product *= (1 − γλ) (AdamW), per param group."""
+    for group in param_groups:
+        lr = float(group["lr"])
+        group["lr_sum"] = group["lr_sum"] + lr
+        if group["weight_decay"] and group.get("decoupled_weight_decay", False):
+            group["decay_product"] = group["decay_product"] * (1 - lr * group["weight_decay"])
+
+
+class _SyncStep:
+    """One SYNC step (algorithm.md §2): the local update of every bucket, then the 1-bit
+    exchange of each live bucket's window update and the rebuild of x, m and the anchor.
+
+    The engine's scratch holds one bucket's denominator and one bucket's x at a time;
+    ``denom_for`` and ``x_for`` say whose. The denominator is recomputed where it is used
+    (bitwise the same each time: v is frozen); keeping every bucket's alive through the
+    exchange cost a fresh bucket-sized allocation per bucket and step, slower than the
+    recomputation. With one bucket its x stays in the scratch until the rebuild, so the
+    local update's x is written to the parameters only if the bucket is not rebuilt.
+    """
+
+    def __init__(self, algorithm: ZeroOneAdam, ctx: StepContext, k: int):
+        self.algorithm, self.ctx, self.k = algorithm, ctx, k
+        self.engine = ctx.engine
+        self.preconditioned = algorithm.precondition_compression
+        self.denom_for = None  # the bucket whose denominator the scratch holds
+        self.x_for = None      # the bucket whose x the scratch holds
+        self.rebuilt = set()   # id() of the buckets rebuilt from the exchange
+
+    def run(self) -> None:
+        engine, ctx = self.engine, self.ctx
+        defer = len(engine.buckets) == 1
+        for b in engine.buckets:
+            x = self.algorithm.local_update(ctx, b, engine.hyper(b, ctx.step, self.k), self.denom(b))
+            if not defer:
+                engine.scatter(x, b.params)
+            self.x_for = b
+        advance_window(engine.param_groups)
+        # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
+        live = [b for b in engine.buckets if engine.param_groups[b.group_index]["lr_sum"] > 0]
+        if ctx.exchange(live, self.fill, self.consume, self.consume_packed):
+            for group in engine.param_groups:
+                group["lr_sum"], group["decay_product"] = 0.0, 1.0
+        if defer and id(engine.buckets[0]) not in self.rebuilt:  # skipped, or a window that did not move
+            b = engine.buckets[0]
+            engine.scatter(self.x(b), b.params)
+
+    def denom(self, b):
+        if self.denom_for is not b:
+            kinds.adam_denom(b.exp_avg_sq, self.engine.hyper(b, self.ctx.step, self.k),
+                             out=self.engine.scratch_d(b.numel))
+            self.denom_for = b
+        return self.engine.scratch_d(b.numel)
+
+    def x(self, b):
+        """x as the local update left it (and scattered it): no second gather when it is still there."""
+        if self.x_for is not b:
+            self.engine.load_x(b)
+            self.x_for = b
+        return self.engine.x_buffer(b)
+
+    def fill(self, b, buf) -> None:
+        """SYNC steps 2–3: the window's update u into the exchange input ``buf``."""
+        group = self.engine.param_groups[b.group_index]
+        buf[b.numel:].zero_()
+        if self.preconditioned:  # the common case in one pass
+            native.sync_prepare(self.x(b), b.anchor, group["decay_product"], buf[:b.numel])
+        else:
+            kinds.sync_prepare(self.x(b), b.anchor, self.denom(b), group["decay_product"], buf[:b.numel], False)
+
+    def _factor(self, b) -> float:
+        group = self.engine.param_groups[b.group_index]
+        return self.engine.hyper(b, self.ctx.step, self.k).bias_correction1 / group["lr_sum"]
+
+    def consume(self, b, w) -> None:
+        """SYNC steps 5–7 from the unpacked w."""
+        group = self.engine.param_groups[b.group_index]
+        x = self.engine.x_buffer(b)
+        self.x_for = None  # overwritten with the new x below
+        mask = self.engine.mask_of(b)
+        if mask is None and self.preconditioned:  # the common case in one pass
+            native.sync_rebuild(w, b.anchor, x, b.exp_avg, self.denom(b), self._factor(b), group["decay_product"])
+        else:
+            if group["decay_product"] != 1.0:
+                b.anchor.mul_(group["decay_product"])
+            kinds.sync_finish(x, b.anchor, b.exp_avg, self.denom(b), w, group["lr_sum"],
+                              self.engine.hyper(b, self.ctx.step, self.k), mask, self.preconditioned)
+        self._finish(b, x, mask)
+
+    def consume_packed(self, b, packed, server_scales) -> None:
+        """The same as :meth:`consume`, fused: w is unpacked straight into x, m and the anchor."""
+        group = self.engine.param_groups[b.group_index]
+        x = self.engine.x_buffer(b)
+        self.x_for = None  # overwritten with the new x below
+        mask = self.engine.mask_of(b)
+        native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x,
+                               exp_avg=b.exp_avg, denom=self.denom(b), factor=self._factor(b),
+                               decay_product=group["decay_product"], mask=mask,
+                               preconditioned=self.preconditioned)
+        self._finish(b, x, mask)
+
+    def _finish(self, b, x, mask) -> None:
+        if mask is not None:
+            b.exchange.mask_errors(mask)
+        self.engine.scatter(x, b.params)
+        self.rebuilt.add(id(b))

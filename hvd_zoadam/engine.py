@@ -1,0 +1,293 @@
+"""Buckets and flat state of one rank: where parameters, gradients and optimizer state meet.
+
+The engine lays the trainable parameters of every param group out in fused buckets
+(:class:`Bucket`, consecutive parameters of one group and dtype, at most
+``bucket_cap_numel`` elements), each with flat float32 ``exp_avg``, ``exp_avg_sq`` and
+``anchor`` buffers whose per-parameter views are what ``optimizer.state[p]`` holds, and
+one :class:`~hvd_zoadam.protocol.Exchange` (error buffers, plan) per bucket. It gathers
+gradients into flat buffers and scatters results back, keeps fp32 master weights of
+fp16/bf16 parameters, resolves momentum masks and owns the reusable scratch.
+
+No collectives run here, and no step math: :mod:`hvd_zoadam.protocol` exchanges, the
+algorithms (:mod:`hvd_zoadam.algorithms`) compute, and the shell
+(:mod:`hvd_zoadam.optimizer`) drives them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kinds
+from .layout import make_buckets, scale_segments
+from .protocol import CollectiveNames, Exchange
+from .transport import Transport
+
+
+@dataclass
+class Bucket:
+    """One fused exchange unit: consecutive trainable params of one param group and device."""
+
+    group_index: int
+    params: list
+    names: list
+    exchange: Exchange
+    exp_avg: torch.Tensor       # float32[n]
+    exp_avg_sq: torch.Tensor    # float32[n]
+    anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
+    master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
+    mask: torch.Tensor | None = None    # uint8[n] momentum mask (exp_avg_mask), 0 = never moves
+    views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
+
+    @property
+    def numel(self) -> int:
+        return self.exchange.numel
+
+
+class Engine:
+    """The buckets, flat state and scratch of one rank's optimizer.
+
+    Args:
+        param_groups: the optimizer's (shared) ``param_groups``.
+        state: the optimizer's ``state`` (``state[p]`` receives the per-parameter views).
+        names: {param: name}. user_masks: {param: 0/1 tensor of its shape}.
+        transport: the collectives (fixes the world size of the exchanges).
+        names_of_collectives: the :class:`~hvd_zoadam.protocol.CollectiveNames` of the buckets.
+        bucket_cap_numel, scale_block_numel, sparse_as_dense, bias_correction,
+        auto_exp_avg_mask: the optimizer's options of those names.
+    """
+
+    def __init__(self, param_groups, state, names: dict, user_masks: dict, transport: Transport,
+                 names_of_collectives: CollectiveNames, *, bucket_cap_numel: int, scale_block_numel,
+                 sparse_as_dense: bool, bias_correction: bool, auto_exp_avg_mask: bool):
+        self.param_groups = param_groups
+        self.state = state
+        self.names = names
+        self.user_masks = user_masks
+        self.transport = transport
+        self.collective_names = names_of_collectives
+        self.bucket_cap_numel = bucket_cap_numel
+        self.scale_block_numel = scale_block_numel
+        self.sparse_as_dense = sparse_as_dense
+        self.bias_correction = bias_correction
+        self.auto_exp_avg_mask = auto_exp_avg_mask
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict = {}   # param -> bucket index
+        self.device = None          # the one device of every trainable parameter (CPU or one CUDA device)
+        self._device_param = None
+        self.scratch: dict = {}
+        self.inv_grad_scale = None  # 1 / GradScaler's scale while scaler.step() drives the step
+        self._mask_cache: dict = {}
+
+    # -- layout ----------------------------------------------------------------------------------
+    def check_param(self, p) -> None:
+        """Refuse a parameter hvd_zoadam cannot lay out (TypeError/ValueError naming it)."""
+        name = self.names.get(p)
+        if p.is_sparse:
+            raise TypeError(f"parameter {name!r} is sparse; 0/1 Adam needs dense parameters")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; 0/1 Adam needs floating-point parameters")
+        if p.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"parameter {name!r} is on {p.device}: hvd_zoadam runs on CPU and CUDA tensors; "
+                            "move the model to a CUDA device or to the CPU")
+        if self.device is None:
+            self.device, self._device_param = p.device, name
+        elif p.device != self.device:
+            raise ValueError(f"parameter {name!r} is on {p.device} but parameter {self._device_param!r} is on "
+                             f"{self.device}: hvd_zoadam needs every trainable parameter of a rank on one device, "
+                             "as Horovod does (torch.cuda.set_device(hvd.local_rank()), then model.cuda())")
+
+    def build_group(self, index: int, trainable: list) -> None:
+        """Lay out the trainable params of param group ``index`` in buckets, by dtype."""
+        for p in trainable:
+            self.check_param(p)
+        by_dtype = {}
+        for p in trainable:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
+                self.add_bucket(index, [params[i] for i in idx])
+
+    def _new_exchange(self, index: int, params: list) -> Exchange:
+        numels = [p.numel() for p in params]
+        return Exchange(scale_segments(numels, self.scale_block_numel), self.transport,
+                        self.collective_names.bucket(index), device=self.device)
+
+    def add_bucket(self, group_index: int, params: list) -> None:
+        """A new bucket of ``params``: zeroed m and v, the anchor at the current x."""
+        for p in params:
+            self.bucket_of[p] = len(self.buckets)
+        numels = [p.numel() for p in params]
+        dev = self.device
+        exchange = self._new_exchange(len(self.buckets), params)
+        n = exchange.numel
+        bucket = Bucket(group_index, params, [self.names[p] for p in params], exchange,
+                        torch.zeros(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev))
+        if params[0].dtype != torch.float32:
+            bucket.master = torch.cat([p.detach().reshape(-1).float() for p in params])
+        keys = ["exp_avg", "exp_avg_sq", "anchor"]
+        if any(p in self.user_masks for p in params):
+            bucket.mask = torch.cat([self.user_masks[p].reshape(-1).to(dev, torch.uint8) if p in self.user_masks
+                                     else torch.ones(p.numel(), dtype=torch.uint8, device=dev) for p in params])
+            keys.append("mask")
+        for key in keys:
+            flat = getattr(bucket, key)
+            bucket.views[key] = [v.view_as(p) for v, p in zip(flat.split(numels), params)]
+            for p, v in zip(params, bucket.views[key]):
+                self.state[p]["exp_avg_mask" if key == "mask" else key] = v
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
+        self.buckets.append(bucket)
+        for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
+            if self.scratch.get(key, torch.empty(0)).numel() < size:
+                self.scratch[key] = torch.zeros(size, device=dev)
+
+    def relayout(self) -> None:
+        """New exchanges (plans, zeroed error buffers) for the transport's current world size."""
+        for i, b in enumerate(self.buckets):
+            b.exchange = self._new_exchange(i, b.params)
+            if self.scratch["g"].numel() < b.exchange.padded_numel:
+                self.scratch["g"] = torch.zeros(b.exchange.padded_numel, device=self.device)
+
+    def check_params_unchanged(self) -> None:
+        """The buffers were laid out for the parameters at construction: refuse to go on when a
+        parameter was replaced in param_groups or resized in place (ValueError)."""
+        current = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
+        laid_out = [p for b in self.buckets for p in b.params]
+        if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
+                and all(p.numel() == v.numel() for b in self.buckets for p, v in zip(b.params, b.views["exp_avg"])):
+            return
+        for b in self.buckets:
+            for p, v, name in zip(b.params, b.views["exp_avg"], b.names):
+                if p.numel() != v.numel():
+                    raise ValueError(f"parameter {name!r} changed shape from {tuple(v.shape)} to {tuple(p.shape)} "
+                                     "after the optimizer was built; its error buffers and chunks no longer fit. "
+                                     "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
+        raise ValueError("the trainable parameters in param_groups are not the ones hvd_zoadam laid out at "
+                         "construction (a parameter was replaced, or requires_grad changed); build a new "
+                         "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
+                         "for new parameters")
+
+    def layout_items(self) -> dict:
+        """The bucket layout for the cross-rank check: names, shapes, dtypes per bucket."""
+        items = {}
+        for i, b in enumerate(self.buckets):
+            layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(b.names, b.params)]
+            items[f"bucket{i}"] = short_digest((b.group_index, layout)) if len(layout) > 64 else layout
+        items["buckets"] = len(self.buckets)
+        return items
+
+    # -- per-step access to flat data -----------------------------------------------------------
+    def hyper(self, b: Bucket, step: int, exp_avg_sq_steps: int) -> kinds.Hyper:
+        """The hyperparameters of bucket ``b``'s param group for step t = ``step``, k = ``exp_avg_sq_steps``."""
+        group = self.param_groups[b.group_index]
+        beta1, beta2 = group["betas"]
+        return kinds.Hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"],
+                           decoupled=bool(group.get("decoupled_weight_decay", False)),
+                           bias_correction=self.bias_correction, step=step,
+                           exp_avg_sq_steps=max(exp_avg_sq_steps, 1))
+
+    def sparse_grad(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """``g`` densified, or the ValueError of a sparse gradient without ``sparse_as_dense``."""
+        if not self.sparse_as_dense:
+            raise ValueError(f"parameter {name!r} got a sparse gradient; pass sparse_as_dense=True "
+                             "to hvd_zoadam.DistributedOptimizer (0/1 Adam exchanges dense tensors)")
+        return g.to_dense()
+
+    def grads_into(self, bucket: Bucket, out: torch.Tensor, raw: bool = True) -> None:
+        """out[:n] <- the bucket's gradients as float32 (None counts as 0).
+
+        ``raw``: ``p.grad`` holds this rank's own gradient (not an exchange result), which is
+        still multiplied by a ``torch.amp.GradScaler`` loss scale when one drives the step.
+        """
+        grads = []
+        for p, name in zip(bucket.params, bucket.names):
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
+                g = self.sparse_grad(name, g)
+            grads.append(g.reshape(-1).float())
+        torch.cat(grads, out=out[:bucket.numel])
+        if raw and self.inv_grad_scale is not None:
+            out[:bucket.numel].mul_(self.inv_grad_scale)
+
+    @staticmethod
+    def scatter(flat: torch.Tensor, targets: list) -> None:
+        """Copy consecutive pieces of ``flat`` into ``targets`` (cast to each target's dtype)."""
+        torch._foreach_copy_([t.detach() for t in targets],
+                             [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in targets]), targets)])
+
+    def write_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """p.grad <- the bucket's piece of ``flat`` (a dense gradient made where there is none)."""
+        for p in bucket.params:
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = torch.zeros_like(p)
+        self.scatter(flat[:bucket.numel], [p.grad for p in bucket.params])
+
+    def load_x(self, b: Bucket) -> torch.Tensor:
+        """x as float32[n]: the fp32 params gathered, or the master weights of fp16/bf16 params.
+
+        Master weights are re-read from the params when someone else changed them since our
+        last write (a model load or a broadcast), detected by comparing the rounded values.
+        """
+        if b.master is None:
+            x = self.scratch["x"][:b.numel]
+            torch.cat([p.detach().reshape(-1).float() for p in b.params], out=x)
+            return x
+        views = b.master.split([p.numel() for p in b.params])
+        for p, v in zip(b.params, views):
+            if not torch.equal(v.to(p.dtype), p.detach().reshape(-1)):
+                v.copy_(p.detach().reshape(-1))
+        return b.master
+
+    def x_buffer(self, b: Bucket) -> torch.Tensor:
+        """Where :meth:`load_x` puts bucket ``b``'s x (without gathering it again)."""
+        return b.master if b.master is not None else self.scratch["x"][:b.numel]
+
+    def scratch_d(self, numel: int) -> torch.Tensor:
+        """A reusable float32 buffer for a denominator used at once (not kept across buckets)."""
+        d = self.scratch.get("d")
+        if d is None or d.numel() < numel:
+            d = self.scratch["d"] = torch.empty(max(numel, max(b.numel for b in self.buckets)), device=self.device)
+        return d[:numel]
+
+    def mask_of(self, b: Bucket):
+        """The momentum mask in force for bucket ``b`` (None when there is none).
+
+        With ``auto_exp_avg_mask``, a coordinate whose ``exp_avg_sq`` is exactly 0 is masked:
+        its averaged gradient was exactly 0 on all ranks in every VARIANCE step so far. Such a
+        coordinate cannot take an Adam step with the (frozen) v: the step would be m/eps, and
+        sign compression hands it ±scale noise. No extra memory: the test reads v.
+        """
+        if not self.auto_exp_avg_mask:
+            return b.mask
+        # Cached until exp_avg_sq changes (its version counter moves on every in-place write:
+        # a VARIANCE step, a load, a broadcast); None when nothing is masked, which saves a
+        # pass over the bucket in every step and is bitwise the same as an all-ones mask.
+        key = (b.exp_avg_sq._version, id(b.mask))
+        cached = self._mask_cache.get(id(b))
+        if cached is None or cached[0] != key:
+            seen = b.exp_avg_sq != 0
+            mask = seen if b.mask is None else seen & b.mask.bool()
+            cached = (key, None if bool(mask.all()) else mask)
+            self._mask_cache[id(b)] = cached
+        return cached[1]
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master weights for
+        fp16/bf16 parameters, uint8 masks), ``error_buffers``, ``scratch`` (reused every step)
+        and ``total``."""
+        state = sum((3 + (b.master is not None)) * 4 * b.numel + (b.mask is not None) * b.numel
+                    for b in self.buckets)
+        errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self.buckets)
+        scratch = sum(t.numel() * t.element_size() for t in self.scratch.values()) \
+            + sum(b.exchange.memory_bytes()["scratch"] for b in self.buckets)
+        return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+
+
+def short_digest(obj) -> str:
+    """A short, rank-independent digest of ``repr(obj)`` (12 hex digits)."""
+    import hashlib
+    return hashlib.sha1(repr(obj).encode()).hexdigest()[:12]

@@ -1,0 +1,123 @@
+"""Overlap with the backward pass: the exchange the gradient hooks start before ``step()``.
+
+One object per optimizer, in one of three explicit phases:
+
+* ``IDLE``: nothing started for the coming step. The first bucket whose gradients are all
+  ready opens a :class:`Window` for the coming step (its number and kind, from the pure
+  schedule, so every rank agrees without talking).
+* ``OPEN``: buckets start as they become ready, in launch order (last bucket first,
+  because backward produces the last layers' gradients first; the same order on every
+  rank, as MPI requires). A VARIANCE step starts its allreduces; a COMPRESSED step its
+  worker side and round 1. Other kinds start nothing (their window is empty).
+* ``CLOSED``: ``synchronize()`` has taken the window; nothing more starts until the step
+  ends (:meth:`Overlap.reset`).
+
+The object issues no collective itself: it calls the ``launch(window, index)`` function it
+is given, and hands started handles back to whoever drains them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .schedule import StepKind
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass
+class Window:
+    """What the hooks started for one coming step.
+
+    ``averages``: bucket index -> started allreduces (VARIANCE); ``scales``: bucket index ->
+    round 1 handle (COMPRESSED); ``pre``: bucket index -> the preconditioning the worker side
+    used; ``seen``: bucket index -> [(p.grad, its version)] the exchange read, to detect a
+    gradient changed afterwards."""
+
+    step: int
+    kind: StepKind | None  # None: the coming step starts nothing early
+    averages: dict = field(default_factory=dict)
+    scales: dict = field(default_factory=dict)
+    pre: dict = field(default_factory=dict)
+    seen: dict = field(default_factory=dict)
+
+    def handles(self) -> list:
+        """Every started handle (to wait for when the window is dropped)."""
+        out = [handle for started in self.averages.values() for handle, _, _ in started]
+        return out + list(self.scales.values())
+
+
+EARLY_KINDS = (StepKind.VARIANCE, StepKind.COMPRESSED)
+
+
+class Overlap:
+    """The overlap state machine of one optimizer (see the module docstring).
+
+    Args:
+        nbuckets: the number of buckets.
+    """
+
+    def __init__(self, nbuckets: int):
+        self.phase = Phase.IDLE
+        self.window: Window | None = None
+        self.ready = [0] * nbuckets   # per bucket: how many of its params have all their backward passes
+        self.position = 0             # how far along launch_order the launches are
+
+    @staticmethod
+    def launch_order(nbuckets: int) -> list:
+        """Buckets in the order their exchanges start: last bucket first."""
+        return list(range(nbuckets - 1, -1, -1))
+
+    def param_ready(self, index: int, bucket_sizes: list, next_step, launch) -> None:
+        """A param of bucket ``index`` got its last backward pass; launch what is ready.
+
+        ``bucket_sizes``: params per bucket. ``next_step()`` -> (step, kind) of the coming step.
+        ``launch(window, index)`` starts bucket ``index``'s exchange and records it in the window.
+        """
+        self.ready[index] += 1
+        if self.phase is Phase.CLOSED:
+            return
+        if self.phase is Phase.IDLE:
+            step, kind = next_step()
+            self.window = Window(step, kind if kind in EARLY_KINDS else None)
+            self.phase = Phase.OPEN
+        if self.window.kind is None:
+            return
+        order = self.launch_order(len(bucket_sizes))
+        while self.position < len(order):
+            bi = order[self.position]
+            if self.ready[bi] < bucket_sizes[bi]:
+                return
+            launch(self.window, bi)
+            self.position += 1
+
+    def take(self, step: int, kind: StepKind) -> Window | None:
+        """Close: hand over the window that matches the coming step (``synchronize()``), or
+        None. A window for another step or kind (the schedule moved, e.g. a load between
+        backward and step) is returned by :meth:`stale` first; call that before."""
+        window, self.window = self.window, None
+        self.phase = Phase.CLOSED
+        if window is None or window.kind is not kind or window.step != step:
+            return None
+        return window
+
+    def stale(self, step: int, kind: StepKind) -> Window | None:
+        """The open window if it was started for another step or kind (to be drained), else None."""
+        w = self.window
+        if w is not None and (w.step != step or w.kind not in (kind, None)):
+            self.window = None
+            return w
+        return None
+
+    def reset(self, nbuckets: int) -> Window | None:
+        """The step is over (or zero_grad/load dropped it): back to IDLE. Returns the window
+        still open, whose started handles the caller must wait for, or None."""
+        window, self.window = self.window, None
+        self.phase = Phase.IDLE
+        self.ready = [0] * nbuckets
+        self.position = 0
+        return window if window is not None and window.kind is not None else None
