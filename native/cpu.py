@@ -282,8 +282,6 @@ def compress_fused(y, e, e_out, offsets, groups, scales, packed, part_idx, part_
     loop, with the padding's bits (sign of y + e; the padding's error is not written). ``y``
     covers at least the real elements; its elements past ``len(y)`` read as 0.
     """
-    n_el = e.shape[0]
-    ny = y.shape[0]
     numel = offsets[-1]
     for g in prange(groups.shape[0]):
         s0 = groups[g, 0]
@@ -331,14 +329,22 @@ def compress_fused(y, e, e_out, offsets, groups, scales, packed, part_idx, part_
                 v |= bits[i - base8] << (7 - (i & 7))
             part_idx[g, k] = hi >> 3
             part_val[g, k] = v
-    # merge the shared bytes and the padding's bits, sequentially
-    for g in range(groups.shape[0]):
+    _merge_shared_bytes(y, e, numel, part_idx, part_val, packed)
+
+
+@njit(cache=True)
+def _merge_shared_bytes(y, e, numel, part_idx, part_val, packed):
+    """After :func:`compress_fused`'s parallel loop, sequentially: the bytes groups share, and
+    the padding's bits (sign of y + e past ``numel``; elements past ``len(y)`` read as 0)."""
+    n_el = e.shape[0]
+    ny = y.shape[0]
+    for g in range(part_idx.shape[0]):
         for k in range(2):
             if part_idx[g, k] >= 0:
                 packed[part_idx[g, k]] = 0
     for q in range((numel + 7) >> 3, n_el >> 3):
         packed[q] = 0
-    for g in range(groups.shape[0]):
+    for g in range(part_idx.shape[0]):
         for k in range(2):
             if part_idx[g, k] >= 0:
                 packed[part_idx[g, k]] |= part_val[g, k]

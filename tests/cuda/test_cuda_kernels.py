@@ -94,7 +94,7 @@ def test_one_pass_worker_kernel_is_bitwise_the_two_passes(case, unpadded, block,
     offsets = segment_offsets(numels)
     plan = native.Plan(offsets, big, p, 0)
     plan.groups = cpu.make_groups(plan.offsets, max([block, *numels]))
-    plan._device.clear()
+    kcuda.forget_plan_arrays(plan)
     assume(plan.groups is not None and len(plan.groups))
     y_in = dev(y[:n] if unpadded else y)
     ge, two_scales, two_packed = dev(e.clone()), dev(torch.zeros(len(numels))), dev(torch.zeros(big // 8, dtype=torch.uint8))
@@ -152,7 +152,7 @@ def test_one_pass_server_kernel_is_bitwise_the_two_passes(case, rank_seed, block
     assume(len(tasks))
     sizes = (tasks[:, 2] - tasks[:, 1]).tolist()
     plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), max([block, *sizes]))
-    plan._device.clear()
+    kcuda.forget_plan_arrays(plan)
     assume(plan.server_groups is not None)
     two_se, one_se = dev(se.clone()), dev(se.clone())
     two_pk, two_sc = kcuda.server_reduce_two_pass(dev(recv), dev(wscales), two_se, plan,

@@ -1,0 +1,93 @@
+"""The code's shape: no import circles, short hot-path functions, algorithms that issue no collective.
+
+These read the source (ast), so they fail when a change reintroduces a module that imports one
+that imports it back (lazily or not), a step-path function past about 60 lines, or a collective
+called from an algorithm module.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Modules on the step path: every function in them stays short enough to hold in mind.
+HOT_PATH = ["hvd_zoadam/optimizer.py", "hvd_zoadam/engine.py", "hvd_zoadam/overlap.py", "hvd_zoadam/protocol.py",
+            "hvd_zoadam/transport.py", "hvd_zoadam/kinds.py", "hvd_zoadam/schedule.py", "hvd_zoadam/layout.py",
+            "hvd_zoadam/algorithms/__init__.py", "hvd_zoadam/algorithms/zeroone.py",
+            "native/__init__.py", "native/cpu.py", "native/reference.py"]
+# Not on the step path: the factory's docstring documents every option (validation only), and
+# the CUDA module's kernel factory holds several kernels, each short.
+LONG_OK = {("hvd_zoadam/optimizer.py", "DistributedOptimizer")}
+MAX_LINES = 60
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    if rel.parts[0] == "native":
+        return "hvd_zoadam.native" + ("" if rel.name == "__init__.py" else "." + rel.stem)
+    name = ".".join(rel.with_suffix("").parts)
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _import_graph() -> dict:
+    files = list((ROOT / "hvd_zoadam").rglob("*.py")) + list((ROOT / "native").glob("*.py"))
+    mods = {_module_name(f): f for f in files}
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("hvd_zoadam"):
+                    continue
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods]
+                deps.update(subs if len(subs) == len(node.names) else [target, *subs])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("hvd_zoadam"))
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = _import_graph()
+    assert "hvd_zoadam.optimizer" in graph and "hvd_zoadam.native.cpu" in graph
+    circles = []
+    for a, deps in graph.items():
+        for b in deps:
+            seen, stack = set(), [b]
+            while stack:
+                x = stack.pop()
+                if x == a:
+                    circles.append((a, b))
+                    break
+                if x not in seen:
+                    seen.add(x)
+                    stack.extend(graph.get(x, ()))
+    assert not circles, f"import circles (module, import that leads back to it): {sorted(circles)}"
+
+
+@pytest.mark.parametrize("rel", HOT_PATH)
+def test_step_path_functions_stay_short(rel):
+    tree = ast.parse((ROOT / rel).read_text())
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_LINES and (rel, node.name) not in LONG_OK]
+    assert not long, f"{rel}: functions over {MAX_LINES} lines: {long}"
+
+
+def test_algorithms_issue_no_collective():
+    """An algorithm receives the exchange as a callable: it names no transport and starts nothing."""
+    for path in (ROOT / "hvd_zoadam" / "algorithms").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"transport", "protocol", "horovod.torch", "mpi4py"}, (path.name, imported)
+        calls = {node.func.attr for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+        assert not calls & {"start", "wait", "allgather", "alltoall", "allreduce_average_", "start_scales",
+                            "allgather_object"}, (path.name, calls)
