@@ -15,6 +15,8 @@
   is reported with its error, not dropped. Needs root.
 * ``step``: the optimizer step alone at P = 1 on the char LM's parameters: each
   hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)``.
+* ``convergence``: 0/1 Adam's validation loss at P simulated workers with one factor
+  switched off at a time, against AdamW (:mod:`hvd_zoadam._bench_convergence`).
 * ``model``: an alpha-beta model of step time; validated against a ``network`` JSON
   when given, and projected to BERT-Large on 16–128 workers.
 """
@@ -30,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from . import _bench_convergence
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_LABELS = {
@@ -523,6 +527,7 @@ def main(argv=None) -> int:
     mo.add_argument("--zo-compressed-frac", type=float, default=0.01)
     mo.add_argument("--zo-sync-frac", type=float, default=0.10)
     mo.add_argument("--json")
+    _bench_convergence.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "network":
         args.rate = args.rate or ["100mbit", "1gbit"]
@@ -531,6 +536,9 @@ def main(argv=None) -> int:
         report = cmd_step(args)
     elif args.cmd == "kernels":
         report = cmd_kernels(args)
+    elif args.cmd == "convergence":
+        from ._bench_lm import _train_lm
+        report = _bench_convergence.run(args, _train_lm())
     else:
         report = cmd_model(args)
     text = json.dumps(report, indent=1)

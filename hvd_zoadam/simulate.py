@@ -15,7 +15,7 @@ from .native import reference
 from .schedule import Schedule, StepKind
 
 
-def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=None):
+def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=None, server_exact=False):
     """C(y) over P simulated workers.
 
     Args:
@@ -23,6 +23,9 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
         worker_errors: P float32[padded_numel(n, P)], updated in place.
         server_errors: P float32[padded_numel(n, P) // P], updated in place.
         numels: segment sizes (default: one segment of n).
+        server_exact: an ablation, not the protocol: the result is the exact average of the P
+            workers' compressed messages (no server-side recompression; ``server_errors``
+            untouched).
 
     Returns:
         float32[n], the common result; or None when a scale is non-finite (then no
@@ -44,6 +47,9 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
     if not torch.isfinite(scales).all():
         return None
     packed = [reference.worker_pack(y, e, offsets, s) for y, e, s in zip(ys, worker_errors, scales)]
+    if server_exact:
+        messages = [reference.decompress(pk, sc.expand(world_size, -1), offsets, n) for pk, sc in zip(packed, scales)]
+        return sum(messages[1:], messages[0].clone()) / world_size
     server_packed, server_scales = [], []
     for r in range(world_size):
         recv = torch.stack([pk[r * chunk // 8:(r + 1) * chunk // 8] for pk in packed])
@@ -55,7 +61,7 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
 
 def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
-                    precondition=True, auto_mask=True):
+                    precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -66,6 +72,17 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
         params: list of float32 tensors, the common initial x.
         grad_fn: ``grad_fn(step, rank, xs) -> list of tensors``, rank r's gradient at x = xs.
         lr_fn: ``lr_fn(step) -> float``.
+        weight_decay: λ, a float, or (decoupled only) a float32[n] tensor of per-element λ in
+            bucket order (e.g. 0 for biases and norms, as param groups do).
+
+    Ablations, for diagnosis (the defaults are 0/1 Adam):
+        exact: a subset of ``{"compressed", "sync"}``: those steps use the exact average of
+            the workers' inputs instead of C(.).
+        server_exact: C(.) without the server side's recompression (see
+            :func:`simulate_compressed_allreduce`).
+        clip_scale: multiplies the bound on |g|/s of preconditioned steps (``inf``: no bound).
+        trace: a list that receives, per COMPRESSED and SYNC step, a dict of the step, its
+            kind, the mean worker and server error norms and the norm of the exchanged result.
 
     Returns:
         (xs, kinds): per rank the final list of parameter tensors, and the list of step kinds.
@@ -97,7 +114,20 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
 
     def bound(k_):  # kinds.normalized_gradient_bound
         bc = 1 - beta2 ** (k_ + 1) if bias_correction else 1.0
-        return (bc / (1 - beta2)) ** 0.5
+        return (bc / (1 - beta2)) ** 0.5 * clip_scale
+
+    def exchange(inputs, phase, t):
+        if phase in exact:
+            out = sum(inputs[1:], inputs[0].clone()) / world_size
+        else:
+            out = simulate_compressed_allreduce(inputs, we, se, segments, server_exact=server_exact)
+        if trace is not None:
+            trace.append({"step": t, "kind": phase, "worker_error": float(sum(e.norm() for e in we)) / world_size,
+                          "server_error": float(sum(e.norm() for e in se)) / world_size,
+                          "result": float(out.norm())})
+        return out
+
+    has_decay = bool(torch.as_tensor(weight_decay).ne(0).any())
 
     def mask_errors(mask):
         for r in range(world_size):
@@ -107,9 +137,9 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
                 se[r][:hi - lo].mul_(mask[lo:hi])
 
     def momentum(r, grad, denom, lr, bc1, mask):
-        if decoupled and weight_decay:
+        if decoupled and has_decay:
             xs[r].mul_(1 - lr * weight_decay)
-        if weight_decay and not decoupled:
+        if not decoupled and weight_decay:
             grad = grad.add(xs[r], alpha=weight_decay)
         m[r].lerp_(grad, 1 - beta1)
         if mask is not None:
@@ -132,9 +162,9 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             k += 1
             avg = sum(g[1:], g[0].clone()) / world_size
             for r in range(world_size):
-                if decoupled and weight_decay:
+                if decoupled and has_decay:
                     xs[r].mul_(1 - lr * weight_decay)
-                gr = avg.add(xs[r], alpha=weight_decay) if (weight_decay and not decoupled) else avg
+                gr = avg.add(xs[r], alpha=weight_decay) if (not decoupled and weight_decay) else avg
                 m[r].lerp_(gr, 1 - beta1)
                 if r == 0:
                     v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
@@ -148,7 +178,7 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
                 if precondition:
                     c = bound(k)
                     g = [(gr / denom).clamp(-c, c) for gr in g]
-                out = simulate_compressed_allreduce(g, we, se, segments)
+                out = exchange(g, "compressed", t)
                 if precondition:
                     out = out * denom
                 if mask is not None:
@@ -166,13 +196,13 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
                     gr = torch.maximum(torch.minimum(gr, b), -b)
                 momentum(r, gr, denom, lr, bc1, mask)
         lr_sum += lr
-        if decoupled and weight_decay:
-            decay *= 1 - lr * weight_decay
+        if decoupled and has_decay:
+            decay = decay * (1 - lr * weight_decay)
         if kind is StepKind.SYNC and lr_sum > 0:
-            if decay != 1.0:
+            if decoupled and has_decay:
                 anchor.mul_(decay)
             u = [anchor - x if precondition else (anchor - x) * denom for x in xs]
-            w = simulate_compressed_allreduce(u, we, se, segments)
+            w = exchange(u, "sync", t)
             if mask is not None:
                 w = w * mask
             for r in range(world_size):

@@ -1,0 +1,202 @@
+"""``python -m hvd_zoadam.bench convergence``: 0/1 Adam's quality at P workers, taken apart.
+
+The char LM of examples/train_lm.py (same model, data, per-rank batches, learning-rate
+schedule and 0/1 Adam knobs as ``train_lm.py`` defaults) trained on P simulated workers in
+one process by the in-process oracle :func:`hvd_zoadam.simulate.simulate_zoadam`, which can
+switch one factor off at a time: the 1-bit exchange of the compressed steps or of the sync
+steps (replaced by the exact average), the server side's recompression, the bound on
+|g|/s, the compression domain, the automatic mask, local steps, the freeze. The baseline
+is AdamW on the exact average of the P gradients (what ``hvd.DistributedOptimizer`` does).
+
+Prints (and with ``--json`` writes) one JSON object: the settings, and per variant the final
+validation loss (the mean over ranks of each rank's model, on the same fixed batches as
+``train_lm.py``), its gap to Adam, and the time it took. Bytes are not simulated: the real
+job's ``comm_stats()`` counts them (see README).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .schedule import Schedule
+from .simulate import simulate_zoadam
+
+# name -> (simulate_zoadam keyword overrides, schedule overrides)
+VARIANTS = {
+    "zoadam": ({}, {}),
+    "exact-compressed": ({"exact": ("compressed",)}, {}),
+    "exact-sync": ({"exact": ("sync",)}, {}),
+    "exact-both": ({"exact": ("compressed", "sync")}, {}),
+    "server-exact": ({"server_exact": True}, {}),
+    "no-clip": ({"clip_scale": math.inf}, {}),
+    "clip-sqrt-p": ({"clip_scale": "sqrt_p"}, {}),
+    "paper-domain": ({"precondition": False}, {}),
+    "paper-raw": ({"precondition": False, "auto_mask": False}, {}),
+    "no-local-steps": ({}, {"local_step_clipper": 1}),
+    "late-freeze": ({}, {"var_freeze_step": "2x"}),
+}
+
+
+def _lm(train_lm, args):
+    text = train_lm.load_corpus()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    torch.manual_seed(args.seed)
+    model = train_lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
+    return model, data[:split], data[split:]
+
+
+def _grad_fn(model, names, train_data, args, train_lm):
+    """Rank r's gradient at its parameters, from its own batch stream (seed·1000 + r, as train_lm)."""
+    gens = [torch.Generator().manual_seed(args.seed * 1000 + r) for r in range(args.ranks)]
+    params = dict(model.named_parameters())
+
+    def grad_fn(step, rank, xs):
+        with torch.no_grad():
+            for name, x in zip(names, xs):
+                params[name].copy_(x)
+        model.zero_grad(set_to_none=True)
+        x, y = train_lm.get_batch(train_data, args.batch_size, args.block_size, gens[rank])
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        return [params[name].grad.detach().clone() for name in names]
+    return grad_fn
+
+
+def _val_loss(model, names, ranks_params, val_data, args, train_lm) -> float:
+    """Mean over ranks of each rank's validation loss on train_lm's fixed batches."""
+    params = dict(model.named_parameters())
+    losses = []
+    for xs in ranks_params:
+        with torch.no_grad():
+            for name, x in zip(names, xs):
+                params[name].copy_(x)
+        losses.append(_evaluate(model, val_data, args, train_lm))
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def _evaluate(model, data, args, train_lm) -> float:
+    gen = torch.Generator().manual_seed(12345)
+    batches = [train_lm.get_batch(data, args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
+    return sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / len(batches)
+
+
+def _adam(model, names, init, grad_fn, lr_fn, decay_of, args) -> list:
+    """AdamW on the exact average of the P gradients, every step; returns the final params."""
+    xs = [x.clone() for x in init]
+    groups = [{"params": [x for x, n in zip(xs, names) if decay_of(n)], "weight_decay": args.weight_decay},
+              {"params": [x for x, n in zip(xs, names) if not decay_of(n)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2))
+    for t in range(1, args.steps + 1):
+        grads = [grad_fn(t, r, xs) for r in range(args.ranks)]
+        for i, x in enumerate(xs):
+            x.grad = sum((g[i] for g in grads[1:]), grads[0][i].clone()).div_(args.ranks)
+        for group in opt.param_groups:
+            group["lr"] = lr_fn(t)
+        opt.step()
+    return xs
+
+
+def run(args, train_lm) -> dict:
+    """The convergence report (see the module docstring)."""
+    torch.set_num_threads(args.threads)
+    model, train_data, val_data = _lm(train_lm, args)
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in model.parameters()]
+    decay_of = dict((n, p.dim() >= 2) for n, p in model.named_parameters()).get
+    weight_decay = torch.cat([torch.full((p.numel(),), args.weight_decay if p.dim() >= 2 else 0.0)
+                              for p in model.parameters()])
+    lam = train_lm.lr_lambda(args.warmup, args.steps)
+
+    def lr_fn(t):
+        return args.lr * lam(t - 1)
+    grad_fn = _grad_fn(model, names, train_data, args, train_lm)
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "variants": {}}
+    runs = args.variants.split(",")
+    if "adam" not in runs:
+        runs = ["adam"] + runs
+    for name in runs:
+        start = time.perf_counter()
+        if name == "adam":
+            final = [_adam(model, names, init, _grad_fn(model, names, train_data, args, train_lm), lr_fn, decay_of,
+                           args)]
+            trace = None
+        else:
+            final, trace = _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_decay)
+        loss = _val_loss(model, names, final, val_data, args, train_lm)
+        row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1)}
+        if trace:
+            row["error_feedback"] = _summarise(trace)
+        report["variants"][name] = row
+    adam = report["variants"]["adam"]["val_loss"]
+    for row in report["variants"].values():
+        row["vs_adam"] = row["val_loss"] / adam - 1
+    return report
+
+
+def _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_decay):
+    overrides, sched_overrides = VARIANTS[name]
+    overrides = dict(overrides)
+    if overrides.get("clip_scale") == "sqrt_p":
+        overrides["clip_scale"] = math.sqrt(args.ranks)
+    freeze = args.var_freeze_step or args.warmup
+    knobs = {"var_freeze_step": freeze, "var_update_scaler": args.var_update_scaler,
+             "local_step_scaler": args.local_step_scaler, "local_step_clipper": args.local_step_clipper,
+             "local_step_policy": args.local_step_policy}
+    for key, value in sched_overrides.items():
+        knobs[key] = 2 * freeze if value == "2x" else value
+    schedule = Schedule(knobs["var_freeze_step"], knobs["var_update_scaler"], knobs["local_step_scaler"],
+                        knobs["local_step_clipper"], knobs["local_step_policy"])
+    trace = []
+    final, _ = simulate_zoadam(init, _grad_fn(model, names, train_data, args, train_lm), world_size=args.ranks,
+                               steps=args.steps, schedule=schedule, lr_fn=lr_fn, betas=(0.9, args.beta2),
+                               weight_decay=weight_decay, decoupled=True, scale_block_numel=args.scale_block_numel,
+                               trace=trace, **overrides)
+    return final, trace
+
+
+def _summarise(trace: list) -> dict:
+    """Error feedback's size against the exchanged result's, per kind (mean over its steps)."""
+    out = {}
+    for kind in ("compressed", "sync"):
+        rows = [r for r in trace if r["kind"] == kind]
+        if rows:
+            out[kind] = {"steps": len(rows),
+                         "worker_error_vs_result": sum(r["worker_error"] / max(r["result"], 1e-30) for r in rows)
+                         / len(rows),
+                         "server_error_vs_result": sum(r["server_error"] / max(r["result"], 1e-30) for r in rows)
+                         / len(rows)}
+    return out
+
+
+def add_parser(sub) -> None:
+    co = sub.add_parser("convergence", help="0/1 Adam's validation loss at P simulated workers, one factor "
+                                            "switched off at a time, against AdamW on the exact average")
+    co.add_argument("--ranks", type=int, default=8)
+    co.add_argument("--steps", type=int, default=400)
+    co.add_argument("--variants", default="zoadam,exact-compressed,exact-sync,server-exact,no-clip,paper-domain",
+                    help="comma-separated, from: " + ",".join(VARIANTS) + " (adam always runs)")
+    co.add_argument("--n-layer", type=int, default=2)
+    co.add_argument("--n-embd", type=int, default=128)
+    co.add_argument("--n-head", type=int, default=4)
+    co.add_argument("--batch-size", type=int, default=16)
+    co.add_argument("--block-size", type=int, default=128)
+    co.add_argument("--lr", type=float, default=2e-3)
+    co.add_argument("--warmup", type=int, default=60)
+    co.add_argument("--weight-decay", type=float, default=0.01)
+    co.add_argument("--beta2", type=float, default=0.98)
+    co.add_argument("--seed", type=int, default=1234)
+    co.add_argument("--eval-batches", type=int, default=8)
+    co.add_argument("--var-freeze-step", type=int, default=None)
+    co.add_argument("--var-update-scaler", type=int, default=8)
+    co.add_argument("--local-step-scaler", type=int, default=40)
+    co.add_argument("--local-step-clipper", type=int, default=8)
+    co.add_argument("--local-step-policy", default="lr")
+    co.add_argument("--scale-block-numel", type=int, default=256)
+    co.add_argument("--threads", type=int, default=2)
+    co.add_argument("--json")
