@@ -123,8 +123,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self._step_log = step_log.format(rank=transport.rank)
         self._loss = None
         self._names = self._name_parameters(named_parameters)
-        self._collectives, self._collectives_count = CollectiveNames.for_layout(
-            self._layout_description(), transport.world_size, transport.rank)
+        self._collectives = CollectiveNames.for_layout(self._layout_description(), transport.world_size)
         self._engine = Engine(self.param_groups, self.state, self._names, self._resolve_masks(exp_avg_mask),
                               transport, self._collectives, bucket_cap_numel=bucket_cap_numel,
                               scale_block_numel=scale_block_numel, sparse_as_dense=sparse_as_dense,
@@ -210,8 +209,8 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     def _layout_description(self) -> list:
         """The trainable parameters' layout (names, shapes, dtypes, groups): the digest in the
-        collective names. Names built by an earlier optimizer over the same layout in this
-        process get a higher count (see :class:`~hvd_zoadam.protocol.CollectiveNames`)."""
+        collective names, the same on every rank however many optimizers each built (see
+        :class:`~hvd_zoadam.protocol.CollectiveNames`)."""
         return [(i, self._names[p], tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups)
                 for p in g["params"] if p.requires_grad]
 
@@ -340,8 +339,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """
         self.transport.refresh()
         self.world_size = self.transport.world_size
-        self._collectives.prefix = CollectiveNames.for_layout(self._layout_description(), self.world_size,
-                                                              self.transport.rank, self._collectives_count)[0].prefix
+        self._collectives.prefix = CollectiveNames.for_layout(self._layout_description(), self.world_size).prefix
         self._engine.relayout()
         self._average = self._new_average()
         self._checked_layout = False

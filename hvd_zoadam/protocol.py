@@ -39,15 +39,20 @@ from .transport import Transport, make_transport
 
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
-_prefix_counts: dict = {}  # (layout digest, rank) -> optimizers built over it in this process
 
 
 class CollectiveNames:
     """The rank-independent names of one optimizer's collectives.
 
-    ``prefix`` is ``"<layout digest>.<count>"``: a digest of the parameter layout and world
-    size, and how many optimizers over the same layout this process built before (so an
-    extra optimizer built on every rank, e.g. for evaluation, does not pair with another).
+    ``prefix`` is a digest of the parameter layout (names, shapes, dtypes, groups) and the
+    world size, and nothing else: like Horovod, which names its allreduces after the
+    parameters, the names do not depend on how many optimizers a process built. So a rank
+    may build optimizers the others do not (e.g. over an EMA copy of the model that it never
+    steps). Optimizers over different parameters get different names; two optimizers over
+    models with the same parameter names and shapes share them, which works when one's
+    exchange has finished before the other's starts (as with Horovod; to step such
+    optimizers from one backward pass, name one model's parameters apart, e.g.
+    ``named_parameters=ema.named_parameters(prefix="ema")``).
     """
 
     def __init__(self, prefix: str):
@@ -69,18 +74,10 @@ class CollectiveNames:
         return f"zoadam.{self.prefix}.grads_changed.{step}"
 
     @staticmethod
-    def for_layout(layout, world_size: int, rank: int, count: int | None = None) -> tuple["CollectiveNames", int]:
-        """Names for an optimizer over ``layout`` (a repr-able description of its parameters).
-        ``count``: the optimizer's number among those over this layout in this process
-        (None: the next one, counted per rank so that thread-ranks sharing a process name
-        their collectives as separate processes do). Returns (names, count)."""
+    def for_layout(layout, world_size: int) -> "CollectiveNames":
+        """Names for an optimizer over ``layout`` (a repr-able description of its parameters)."""
         import hashlib
-        digest = hashlib.sha1(repr((layout, world_size)).encode()).hexdigest()[:10]
-        if count is None:
-            key = (digest, rank)
-            count = _prefix_counts.get(key, 0)
-            _prefix_counts[key] = count + 1
-        return CollectiveNames(f"{digest}.{count}"), count
+        return CollectiveNames(hashlib.sha1(repr((layout, world_size)).encode()).hexdigest()[:10])
 
 
 class NonFiniteError(FloatingPointError):
