@@ -282,6 +282,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         """Start bucket ``bi``'s exchange for the coming step from the hooks (see :mod:`.overlap`)."""
         b = self._buckets[bi]
         self.transport.counter.kind = window.kind.value
+        if self.sparse_as_dense:  # densified here, so that what the exchange reads is what p.grad holds
+            for p in b.params:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
         # What the exchange read: checked in synchronize(), so that a gradient changed after
         # backward() (e.g. clipped without synchronize()) is not silently left out.
         window.seen[bi] = [(p.grad, p.grad._version if p.grad is not None else None) for p in b.params]
