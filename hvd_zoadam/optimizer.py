@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import warnings
 import weakref
 
@@ -31,6 +32,7 @@ from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_in
 from .transport import Transport, make_transport
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
+ADOPT_KEY = "adopt_at_next_step"  # in the counters after loading an Adam checkpoint, until the next step
 _KIND_NAMES = [k.value for k in StepKind]
 _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
 
@@ -58,6 +60,30 @@ def _check_group(group: dict, index: int) -> None:
         raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}")
     if not group["weight_decay"] >= 0:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
+
+
+def _check_named_parameters(param_groups, named_parameters) -> dict:
+    """{param: name} from ``named_parameters`` (None: ``noname.<group>.<index>``), with
+    Horovod's checks and messages (ValueError)."""
+    params = [p for g in param_groups for p in g["params"]]
+    if named_parameters is None:
+        return {p: f"noname.{i}.{j}" for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    named_parameters = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen, dups = set(), set()
+    for name, _ in named_parameters:
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(sorted(dups)))
+    names = {p: name for name, p in named_parameters}
+    missing = [id(p) for p in params if p not in names]
+    if missing:
+        raise ValueError("named_parameters was specified, but one or more model parameters were "
+                         "not named. Python object ids: " + ", ".join(map(str, missing)))
+    return names
 
 
 class ZeroOneAdamOptimizer(torch.optim.Optimizer):
@@ -103,7 +129,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                  scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
                  precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True):
         self._ready = False
-        super().__init__(optimizer.param_groups, dict(optimizer.defaults))
+        # Not super(): built by DistributedOptimizer, this class sits before the wrapped
+        # torch.optim.Adam/AdamW in the MRO, and their __init__ must not run (as in Horovod).
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
         self.algorithm = ZeroOneAdam(schedule, precondition_compression)
         self.transport = transport
@@ -162,26 +190,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     # -- construction ----------------------------------------------------------------------
     def _name_parameters(self, named_parameters) -> dict:
-        params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is None:
-            return {p: f"noname.{i}.{j}" for i, g in enumerate(self.param_groups)
-                    for j, p in enumerate(g["params"])}
-        named_parameters = list(named_parameters)
-        if any(not isinstance(item, tuple) for item in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-        seen, dups = set(), set()
-        for name, _ in named_parameters:
-            (dups if name in seen else seen).add(name)
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                             + ", ".join(sorted(dups)))
-        names = {p: name for name, p in named_parameters}
-        missing = [id(p) for p in params if p not in names]
-        if missing:
-            raise ValueError("named_parameters was specified, but one or more model parameters were "
-                             "not named. Python object ids: " + ", ".join(map(str, missing)))
-        return names
+        return _check_named_parameters(self.param_groups, named_parameters)
 
     def _resolve_masks(self, exp_avg_mask) -> dict:
         """``exp_avg_mask``: {param or name: 0/1 tensor of the param's shape}; also DeepSpeed's
@@ -252,7 +261,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                     "Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally. (hvd_zoadam: parameter "
                     f"{self._names.get(p)!r} of the optimizer {self._collectives.prefix}; when several optimizers "
-                    "share a model, call step() or zero_grad() on each one whose parameters got gradients.)")
+                    "share a model, call step() on each one whose parameters got gradients.)")
             self._passes[p] += 1
             bucket_of = self._engine.bucket_of
             if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
@@ -274,8 +283,9 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
     def _can_overlap(self) -> bool:
         # Not before the first step's settings check (a mismatch must fail fast, not hang in a
         # collective), and not under a GradScaler (its scale is known only in step()).
+        # Nor right after loading an Adam checkpoint: the anchor and error buffers are set in synchronize().
         return (self.overlap and self.transport.supports_async and self.world_size > 1 and self._checked_layout
-                and not self._amp_seen
+                and not self._amp_seen and not self._counters.get(ADOPT_KEY)
                 and self._pending is None and getattr(self, "_ready", False))
 
     def _launch(self, window, bi: int) -> None:
@@ -367,6 +377,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         how = self.algorithm.gradient_exchange(kind)
         armed = how is not None and self._can_overlap()  # the same on every rank
         self._engine.check_params_unchanged()
+        self._adopt_loaded_adam()
         if not self._checked_layout:
             self._check_layout()
         self._drain(self._overlap.stale(step, kind))  # the schedule moved under us (a load between backward and step)
@@ -385,6 +396,18 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 skip = not self._compress_grads(step, window)
         self._pending = (step, kind, skip)
         self._synchronized = True
+
+    def _adopt_loaded_adam(self) -> None:
+        """The first step after loading an Adam checkpoint (see :meth:`load_state_dict`), on every
+        rank alike (the mark travels in the counters): anchor <- the parameters as they are now
+        (loaded or broadcast after the optimizer, in any order), error buffers and window zeroed."""
+        if not self._counters.pop(ADOPT_KEY, False):
+            return
+        for b in self._buckets:
+            b.anchor.copy_(self._engine.load_x(b))
+            b.exchange.zero_errors()
+        for group in self.param_groups:
+            group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
     def _fp16_wire(self) -> bool:
         return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
@@ -459,9 +482,41 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; also resets the backward-pass count of ``backward_passes_per_step``."""
+        """torch's ``zero_grad``; also resets the backward-pass count of ``backward_passes_per_step``.
+
+        With more than one rank, as ``hvd.DistributedOptimizer``, it raises ``AssertionError``
+        between ``backward()`` and ``step()``: when backward passes were counted since the last
+        step (the hooks may have started the step's exchange on every rank) or when an
+        exchange started by the hooks is in flight. It also raises between ``synchronize()``
+        and ``step()``, where Horovod allows it: the step's exchange has run on every rank and
+        a 1-bit exchange cannot be taken back. With one rank it never raises (nothing is
+        exchanged), as with Horovod.
+        """
+        if self.world_size > 1:
+            window = self._overlap.window
+            if self._pending is not None:
+                raise AssertionError(
+                    "optimizer.zero_grad() was called after optimizer.synchronize() but before optimizer.step(). "
+                    "hvd_zoadam has already exchanged this step's gradients on every rank (a 1-bit exchange "
+                    "cannot be taken back); call optimizer.step() first.")
+            if any(self._passes.values()) or (window is not None and window.handles()):
+                raise AssertionError(
+                    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
         self._reset_passes()
         super().zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's: from now on ``passes`` backward passes are accumulated per ``step()``; the
+        passes counted so far are forgotten (an exchange the hooks already started is kept).
+        Every rank must set the same value (the first step's settings check compares it)."""
+        if isinstance(passes, bool) or not isinstance(passes, int):
+            raise TypeError(f"backward_passes_per_step must be an int, got {passes!r}")
+        if passes <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = passes
+        for p in self._passes:
+            self._passes[p] = 0
 
     # torch.amp.GradScaler calls step() on every rank, with grad_scale and found_inf set, instead of
     # deciding per rank whether to call it: every rank stays in lockstep, and a NaN/Inf on one rank
@@ -615,23 +670,60 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                 b.exchange.zero_errors()
         return usable
 
+    def __setstate__(self, state: dict) -> None:
+        # torch.optim.Optimizer's; Adam's (next in the MRO of DistributedOptimizer's class) would
+        # look for a per-parameter "step" that 0/1 Adam keeps in the counters instead.
+        torch.optim.Optimizer.__setstate__(self, state)
+
+    def state_dict(self) -> dict:
+        """torch's ``state_dict``. Called by ``hvd.broadcast_optimizer_state`` before the first
+        step, it first gives every trainable parameter without a gradient a zero gradient, as
+        Horovod's function does for a fresh optimizer before its dummy ``step()`` (which
+        hvd_zoadam, whose state exists from construction, never needs)."""
+        if self._counters["step"] == 0 and _called_by_broadcast_optimizer_state():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
         buffers in float32 (no cast through a low-precision parameter dtype). The counters in
         ``param_groups`` are restored exactly, so the schedule resumes where it was. This
-        rank's error buffers are kept; use a per-rank save to restore them too.
+        rank's error buffers are kept; use a per-rank save to restore them too. The
+        backward-pass count is reset, as Horovod does.
+
+        **An Adam checkpoint** (``state_dict()`` of ``torch.optim.Adam``/``AdamW`` or of
+        ``hvd.DistributedOptimizer`` over one; no ``"zoadam"`` counters) is taken over as 0/1
+        Adam that had run every step as a VARIANCE step: ``exp_avg`` and ``exp_avg_sq`` become
+        m and v, and the schedule continues at Adam's step count t (``step`` and
+        ``exp_avg_sq_steps`` both t), so the next step is t + 1 of the schedule and the bias
+        corrections of m and v are exactly Adam's; lr, betas, eps and weight_decay come from
+        the checkpoint, the weight-decay kind (Adam or AdamW) and the implementation flags
+        (``foreach``, ``fused``, ...) stay this optimizer's. If t >= ``var_freeze_step`` v is
+        frozen from the next step on, with the checkpoint's lr as the lr at the freeze. At the
+        next step, on every rank, the anchor is set to the parameters as they are then (so the
+        model may be loaded or broadcast after the optimizer) and the error buffers and the
+        window are zeroed. A parameter without Adam state gets m = v = 0. ``amsgrad`` or
+        ``maximize`` checkpoints are refused (ValueError) before anything changes.
 
         The buffers' tensors bypass torch's loader, which would first cast each of them to
         its parameter's device and dtype: a transient second copy of m, v and the anchor on
         the GPU when a checkpoint was loaded to the CPU."""
+        if STATE_KEY not in state_dict["param_groups"][0]:
+            state_dict = self._from_adam_state_dict(state_dict)
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
         self._pending = None
+        for p in self._passes:
+            self._passes[p] = 0
         buffers = ("exp_avg", "exp_avg_sq", "anchor", "exp_avg_mask")
         super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in st.items() if k not in buffers}
                                                          for i, st in saved.items()}})
+        self._engine.param_groups = self.param_groups  # torch's loader made new group dicts
         for b in self._buckets:
             for key in b.views:
                 skey = "exp_avg_mask" if key == "mask" else key
@@ -642,6 +734,57 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group.setdefault("lr_sum", 0.0)
             group.setdefault("decay_product", 1.0)
+
+    def _from_adam_state_dict(self, state_dict: dict) -> dict:
+        """An Adam ``state_dict`` as the 0/1 Adam ``state_dict`` it is taken over as (see
+        :meth:`load_state_dict`); raises ValueError for what 0/1 Adam cannot continue."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        keep = ("decoupled_weight_decay", "foreach", "fused", "capturable", "differentiable")
+        groups, steps = [], [0]
+        for index, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            group = {**saved, **{k: mine[k] for k in keep if k in mine}, "lr_sum": 0.0, "decay_product": 1.0}
+            try:
+                _check_group(group, index)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"cannot take over this Adam checkpoint: {exc}") from None
+            groups.append(group)
+        state = {}
+        for pid, st in state_dict["state"].items():
+            state[pid] = {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
+            if "step" in st:
+                steps.append(int(round(float(st["step"]))))
+        t = max(steps)
+        frozen = t >= self.schedule.var_freeze_step
+        groups[0][STATE_KEY] = {"step": t, "exp_avg_sq_steps": t,
+                                "freeze_lr": float(groups[0]["lr"]) if frozen else None, ADOPT_KEY: True}
+        return {"state": state, "param_groups": groups}
+
+
+_classes: dict = {}  # the wrapped optimizer's class -> the class DistributedOptimizer builds for it
+
+
+def _optimizer_class(base: type) -> type:
+    """A subclass of :class:`ZeroOneAdamOptimizer` and ``base`` (the wrapped ``torch.optim.Adam``,
+    ``AdamW`` or a subclass of them), made once per ``base``: so ``isinstance(opt, base)``
+    holds, as for the class ``hvd.DistributedOptimizer`` builds. ZeroOneAdamOptimizer comes
+    first in the MRO and overrides what ``base`` defines (``__init__``, ``step``,
+    ``__setstate__``), so none of ``base``'s own code runs."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(ZeroOneAdamOptimizer.__name__, (ZeroOneAdamOptimizer, base),
+                                    {"__module__": ZeroOneAdamOptimizer.__module__,
+                                     "__qualname__": ZeroOneAdamOptimizer.__qualname__,
+                                     "__doc__": ZeroOneAdamOptimizer.__doc__})
+    return cls
+
+
+def _called_by_broadcast_optimizer_state() -> bool:
+    """Whether the caller of the caller is ``horovod.torch.functions.broadcast_optimizer_state``."""
+    code = sys._getframe(2).f_code
+    return code.co_name == "broadcast_optimizer_state" and \
+        code.co_filename.replace("\\", "/").endswith("horovod/torch/functions.py")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
@@ -669,7 +812,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     * ``groups``: not supported (hvd_zoadam fuses parameters into buckets of
       ``bucket_cap_mb`` itself); pass ``None``.
     * ``sparse_as_dense``: sparse gradients are densified when True and refused otherwise.
-    * ``process_set``: the ranks this optimizer trains with (default: all).
+    * ``process_set``: the ranks this optimizer trains with (default: all). Unlike Horovod,
+      a rank outside it cannot build the optimizer (ValueError): it would hold buffers laid
+      out for a world it is not part of, and a ``step()`` there could only be a no-op.
 
     0/1 Adam's keyword-only knobs (algorithm.md §4): ``var_freeze_step`` (T_f, steps),
     ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
@@ -703,8 +848,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     backward pass goes on; not under ``torch.amp.GradScaler``, whose scale is only known in
     ``step()``. False: everything starts in ``synchronize()``. Same results either way).
 
+    Every argument is checked before Horovod is (``hvd.init()`` called, this rank in
+    ``process_set``), as ``hvd.DistributedOptimizer`` does.
+
     Returns:
-        A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``.
+        A :class:`ZeroOneAdamOptimizer` sharing ``optimizer.param_groups``; it is also an
+        instance of ``type(optimizer)`` (``isinstance(opt, torch.optim.Adam)`` holds, as for
+        Horovod's wrapper), though none of that class's code runs.
 
     Raises:
         TypeError: ``optimizer`` is not a plain ``torch.optim.Adam``/``AdamW``, a knob
@@ -768,8 +918,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
     schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
                         local_step_policy)
+    # Every argument is checked before Horovod is asked anything (initialised? in the process set?).
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    _check_named_parameters(optimizer.param_groups, named_parameters)
+    for index, group in enumerate(optimizer.param_groups):
+        _check_group(group, index)
     transport = make_transport(transport, process_set)
-    return ZeroOneAdamOptimizer(
+    return _optimizer_class(type(optimizer))(
         optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,

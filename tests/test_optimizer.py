@@ -568,7 +568,9 @@ def test_step_log_writes_one_json_line_per_step(tmp_path):
 def test_accumulation_window_that_does_not_divide_the_epoch(variant):
     """backward_passes_per_step=4, 10 micro-batches per epoch, 2 epochs. Gradients of the
     passes made are summed (torch and Horovod semantics), so a partial window of 2 passes steps
-    with 2g; variant B drops the partial window with zero_grad()."""
+    with 2g; variant B drops the partial window: zero_grad() alone raises Horovod's error (with
+    P > 1, between backward() and step()), set_backward_passes_per_step() forgets the passes
+    and zero_grad() then drops them."""
     def grad_of(model):
         return [torch.full_like(q, 0.25) for q in model.parameters()]
 
@@ -590,6 +592,9 @@ def test_accumulation_window_that_does_not_divide_the_epoch(variant):
                         q.grad = g * passes
                     ref_opt.step()
             if variant == "B":
+                with pytest.raises(AssertionError, match=r"zero_grad\(\) was called after loss.backward\(\)"):
+                    opt.zero_grad()
+                opt.set_backward_passes_per_step(4)
                 opt.zero_grad()
         return opt.schedule_state()["step"], seen, [q.detach().clone() for q in model.parameters()], \
             [q.detach().clone() for q in ref.parameters()]
