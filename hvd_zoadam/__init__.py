@@ -1,8 +1,10 @@
 """hvd_zoadam: 0/1 Adam (Lu et al., arXiv 2202.06009) as a drop-in Horovod DistributedOptimizer.
 
 Public names: :func:`DistributedOptimizer`, :func:`compressed_allreduce`,
-:func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`.
+:func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`, and the
+module :mod:`hvd_zoadam.checkpoint` (``save``, ``load``).
 """
+from . import checkpoint
 from .layout import padded_numel
 from .optimizer import DistributedOptimizer, ZeroOneAdamOptimizer
 from .protocol import NonFiniteError, compressed_allreduce

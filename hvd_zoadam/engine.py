@@ -14,6 +14,7 @@ algorithms (:mod:`hvd_zoadam.algorithms`) compute, and the shell
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +49,9 @@ class Engine:
     """The buckets, flat state and scratch of one rank's optimizer.
 
     Args:
-        param_groups: the optimizer's (shared) ``param_groups``.
-        state: the optimizer's ``state`` (``state[p]`` receives the per-parameter views).
+        optimizer: the ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` the engine
+            reads at every use (``load_state_dict`` replaces both objects); ``state[p]``
+            receives the per-parameter views.
         names: {param: name}. user_masks: {param: 0/1 tensor of its shape}.
         transport: the collectives (fixes the world size of the exchanges).
         names_of_collectives: the :class:`~hvd_zoadam.protocol.CollectiveNames` of the buckets.
@@ -57,11 +59,10 @@ class Engine:
         auto_exp_avg_mask: the optimizer's options of those names.
     """
 
-    def __init__(self, param_groups, state, names: dict, user_masks: dict, transport: Transport,
+    def __init__(self, optimizer, names: dict, user_masks: dict, transport: Transport,
                  names_of_collectives: CollectiveNames, *, bucket_cap_numel: int, scale_block_numel,
                  sparse_as_dense: bool, bias_correction: bool, auto_exp_avg_mask: bool):
-        self.param_groups = param_groups
-        self.state = state
+        self._optimizer = weakref.ref(optimizer)  # the optimizer owns the engine: no cycle
         self.names = names
         self.user_masks = user_masks
         self.transport = transport
@@ -78,6 +79,14 @@ class Engine:
         self.scratch: dict = {}
         self.inv_grad_scale = None  # 1 / GradScaler's scale while scaler.step() drives the step
         self._mask_cache: dict = {}
+
+    @property
+    def param_groups(self) -> list:
+        return self._optimizer().param_groups
+
+    @property
+    def state(self):
+        return self._optimizer().state
 
     # -- layout ----------------------------------------------------------------------------------
     def check_param(self, p) -> None:

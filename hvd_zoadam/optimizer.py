@@ -152,12 +152,13 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._loss = None
         self._names = self._name_parameters(named_parameters)
         self._collectives = CollectiveNames.for_layout(self._layout_description(), transport.world_size)
-        self._engine = Engine(self.param_groups, self.state, self._names, self._resolve_masks(exp_avg_mask),
+        self._engine = Engine(self, self._names, self._resolve_masks(exp_avg_mask),
                               transport, self._collectives, bucket_cap_numel=bucket_cap_numel,
                               scale_block_numel=scale_block_numel, sparse_as_dense=sparse_as_dense,
                               bias_correction=bias_correction, auto_exp_avg_mask=auto_exp_avg_mask)
         self._average = self._new_average()
         self._hook_handles = []
+        weakref.finalize(self, _remove_hooks, self._hook_handles)  # a dropped optimizer leaves no hook behind
         self._passes = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -255,19 +256,29 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     # -- backward hooks and overlap ------------------------------------------------------------
     def _make_hook(self, p):
-        def hook(*_):
-            if self._passes[p] >= self.backward_passes_per_step:
-                raise AssertionError(
-                    "Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally. (hvd_zoadam: parameter "
-                    f"{self._names.get(p)!r} of the optimizer {self._collectives.prefix}; when several optimizers "
-                    "share a model, call step() on each one whose parameters got gradients.)")
-            self._passes[p] += 1
-            bucket_of = self._engine.bucket_of
-            if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
-                self._overlap.param_ready(bucket_of[p], [len(b.params) for b in self._buckets],
-                                          self._next_kind, self._launch)
+        """The post-accumulate-grad hook of ``p``. It holds the optimizer weakly, so that a model
+        does not keep a dropped optimizer alive (its parameters may then get a new one)."""
+        owner = weakref.ref(self)
+
+        def hook(param):
+            opt = owner()
+            if opt is not None:
+                opt._grad_ready(param)
         return hook
+
+    def _grad_ready(self, p) -> None:
+        """A backward pass accumulated ``p``'s gradient: count it, start what is ready (overlap)."""
+        if self._passes[p] >= self.backward_passes_per_step:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                "Increase backward_passes_per_step to accumulate gradients locally. (hvd_zoadam: parameter "
+                f"{self._names.get(p)!r} of the optimizer {self._collectives.prefix}; when several optimizers "
+                "share a model, call step() on each one whose parameters got gradients.)")
+        self._passes[p] += 1
+        bucket_of = self._engine.bucket_of
+        if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
+            self._overlap.param_ready(bucket_of[p], [len(b.params) for b in self._buckets],
+                                      self._next_kind, self._launch)
 
     def _reset_passes(self) -> None:
         """Forget this step's backward passes; drain an exchange the hooks started (it was started
@@ -723,7 +734,6 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         buffers = ("exp_avg", "exp_avg_sq", "anchor", "exp_avg_mask")
         super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in st.items() if k not in buffers}
                                                          for i, st in saved.items()}})
-        self._engine.param_groups = self.param_groups  # torch's loader made new group dicts
         for b in self._buckets:
             for key in b.views:
                 skey = "exp_avg_mask" if key == "mask" else key
@@ -760,6 +770,11 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         groups[0][STATE_KEY] = {"step": t, "exp_avg_sq_steps": t,
                                 "freeze_lr": float(groups[0]["lr"]) if frozen else None, ADOPT_KEY: True}
         return {"state": state, "param_groups": groups}
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 _classes: dict = {}  # the wrapped optimizer's class -> the class DistributedOptimizer builds for it
