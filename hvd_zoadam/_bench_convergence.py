@@ -5,7 +5,8 @@ schedule and 0/1 Adam knobs as ``train_lm.py`` defaults) trained on P simulated 
 one process by the in-process oracle :func:`hvd_zoadam.simulate.simulate_zoadam`, which can
 switch one factor off at a time: the 1-bit exchange of the compressed steps or of the sync
 steps (replaced by the exact average), the server side's recompression, the bound on
-|g|/s, the compression domain, the automatic mask, local steps, the freeze. The baseline
+|g|/s (``no-clip``; ``unscaled-bound``: without its factor sqrt(P)), the compression domain,
+the automatic mask, local steps, the freeze. The baseline
 is AdamW on the exact average of the P gradients (what ``hvd.DistributedOptimizer`` does).
 
 Prints (and with ``--json`` writes) one JSON object: the settings, and per variant the final
@@ -16,6 +17,7 @@ job's ``comm_stats()`` counts them (see README).
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -32,7 +34,7 @@ VARIANTS = {
     "exact-both": ({"exact": ("compressed", "sync")}, {}),
     "server-exact": ({"server_exact": True}, {}),
     "no-clip": ({"clip_scale": math.inf}, {}),
-    "clip-sqrt-p": ({"clip_scale": "sqrt_p"}, {}),
+    "unscaled-bound": ({"clip_scale": "1/sqrt_p"}, {}),
     "paper-domain": ({"precondition": False}, {}),
     "paper-raw": ({"precondition": False, "auto_mask": False}, {}),
     "no-local-steps": ({}, {"local_step_clipper": 1}),
@@ -133,6 +135,8 @@ def run(args, train_lm) -> dict:
         if trace:
             row["error_feedback"] = _summarise(trace)
         report["variants"][name] = row
+        print(f"[convergence] P={args.ranks} {name}: val loss {loss:.4f} ({row['wall_s']} s)", file=sys.stderr,
+              flush=True)
     adam = report["variants"]["adam"]["val_loss"]
     for row in report["variants"].values():
         row["vs_adam"] = row["val_loss"] / adam - 1
@@ -142,8 +146,8 @@ def run(args, train_lm) -> dict:
 def _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_decay):
     overrides, sched_overrides = VARIANTS[name]
     overrides = dict(overrides)
-    if overrides.get("clip_scale") == "sqrt_p":
-        overrides["clip_scale"] = math.sqrt(args.ranks)
+    if overrides.get("clip_scale") == "1/sqrt_p":  # the bound without its factor sqrt(P)
+        overrides["clip_scale"] = 1 / math.sqrt(args.ranks)
     freeze = args.var_freeze_step or args.warmup
     knobs = {"var_freeze_step": freeze, "var_update_scaler": args.var_update_scaler,
              "local_step_scaler": args.local_step_scaler, "local_step_clipper": args.local_step_clipper,

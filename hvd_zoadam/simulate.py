@@ -8,6 +8,8 @@ bucket cap).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layout import padded_numel, scale_segments, segment_offsets
@@ -80,7 +82,8 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             the workers' inputs instead of C(.).
         server_exact: C(.) without the server side's recompression (see
             :func:`simulate_compressed_allreduce`).
-        clip_scale: multiplies the bound on |g|/s of preconditioned steps (``inf``: no bound).
+        clip_scale: multiplies the bound on |g|/s of preconditioned steps, sqrt(P)·sqrt(1 −
+            β2^(k+1))/sqrt(1 − β2) (``inf``: no bound; 1/sqrt(P): the bound without its sqrt(P)).
         trace: a list that receives, per COMPRESSED and SYNC step, a dict of the step, its
             kind, the mean worker and server error norms and the norm of the exchanged result.
 
@@ -114,7 +117,7 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
 
     def bound(k_):  # kinds.normalized_gradient_bound
         bc = 1 - beta2 ** (k_ + 1) if bias_correction else 1.0
-        return (bc / (1 - beta2)) ** 0.5 * clip_scale
+        return (bc / (1 - beta2)) ** 0.5 * math.sqrt(world_size) * clip_scale
 
     def exchange(inputs, phase, t):
         if phase in exact:
