@@ -405,6 +405,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
                                              window.averages if window else {}, self._engine.inv_grad_scale)
             else:
                 skip = not self._compress_grads(step, window)
+        elif how is not None:  # P = 1: nothing to exchange, but a NaN/Inf skips the step as at P > 1
+            skip = not native.all_finite_many(g.to_dense() if g.is_sparse else g
+                                              for b in self._buckets for p in b.params
+                                              for g in (p.grad,) if g is not None)
         self._pending = (step, kind, skip)
         self._synchronized = True
 

@@ -91,3 +91,34 @@ def test_a_dropped_optimizer_frees_its_parameters_for_a_new_one():
     for refused, steps, hooks in run_threads(2, body):
         assert refused and steps == 1
         assert hooks == sum(1 for _ in common.mlp().parameters())
+
+
+def test_one_rank_skips_a_step_whose_gradient_is_not_finite():
+    """At P = 1 a VARIANCE or COMPRESSED step with a NaN/Inf gradient (an fp16 overflow under
+    GradScaler, say) is skipped as at P > 1: x, m and v stay as they were, the step counts as
+    skipped, and the next finite step trains on."""
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              **KNOBS)
+        seen = []
+        for t in (1, 2, 3):  # steps 1 and 2: VARIANCE; 3: COMPRESSED (KNOBS' kappa = 2)
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            kind = opt._next_kind()[1].value
+            before = [q.detach().clone() for q in model.parameters()] + \
+                [v.clone() for st in opt.state.values() for v in (st["exp_avg"], st["exp_avg_sq"])]
+            if t != 1:
+                next(model.parameters()).grad.view(-1)[0] = float("inf") if t == 2 else float("nan")
+            opt.step()
+            after = [q.detach().clone() for q in model.parameters()] + \
+                [v.clone() for st in opt.state.values() for v in (st["exp_avg"], st["exp_avg_sq"])]
+            seen.append((kind, all(torch.equal(a, b) for a, b in zip(before, after)),
+                         all(bool(torch.isfinite(a).all()) for a in after)))
+        return seen, opt.comm_stats()["skipped_steps"]
+
+    (seen, skipped), = run_threads(1, body)
+    assert [k for k, _, _ in seen] == ["variance", "variance", "compressed"]
+    assert [unchanged for _, unchanged, _ in seen] == [False, True, True]
+    assert all(finite for _, _, finite in seen) and skipped == 2
