@@ -4,7 +4,7 @@ Public names: :func:`DistributedOptimizer`, :func:`compressed_allreduce`,
 :func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`, and the
 module :mod:`hvd_zoadam.checkpoint` (``save``, ``load``).
 """
-from . import checkpoint
+from . import checkpoint  # noqa: F401  (hvd_zoadam.checkpoint.save after import hvd_zoadam)
 from .layout import padded_numel
 from .optimizer import DistributedOptimizer, ZeroOneAdamOptimizer
 from .protocol import NonFiniteError, compressed_allreduce

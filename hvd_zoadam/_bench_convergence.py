@@ -117,7 +117,6 @@ def run(args, train_lm) -> dict:
 
     def lr_fn(t):
         return args.lr * lam(t - 1)
-    grad_fn = _grad_fn(model, names, train_data, args, train_lm)
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "variants": {}}
     runs = args.variants.split(",")
     if "adam" not in runs:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shlex
 import subprocess
 import sys
 import tempfile

@@ -13,9 +13,6 @@ reports. It holds state and drives a step; it does no math and names no collecti
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import sys
 import warnings
 import weakref
 
@@ -26,67 +23,19 @@ from .algorithms import StepContext
 from .algorithms.zeroone import ZeroOneAdam
 from .elastic import register_state_handler
 from .engine import Engine
-from .overlap import Overlap, Phase
+from .options import (ADOPT_KEY, STATE_KEY, check_arguments, check_group, check_horovod_arguments,
+                      check_named_parameters)
+from .overlap import Overlap
 from .protocol import Average, CollectiveNames, check_layout, exchange_buckets, grads_changed_anywhere
-from .schedule import LOCAL_STEP_POLICIES, Schedule, StepKind, check_positive_int
+from .schedule import Schedule, StepKind
+from .state import StateDictMixin
+from .stats import CommStats, StepLog
 from .transport import Transport, make_transport
 
-STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
-ADOPT_KEY = "adopt_at_next_step"  # in the counters after loading an Adam checkpoint, until the next step
-_KIND_NAMES = [k.value for k in StepKind]
 _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
 
 
-def _check_group(group: dict, index: int) -> None:
-    """Validate one param group's Adam options (ValueError/TypeError naming the option)."""
-    where = f"param_groups[{index}]"
-    for opt, bad, fix in (("amsgrad", True, "set amsgrad=False"),
-                          ("maximize", True, "negate the loss instead"),
-                          ("capturable", True, "set capturable=False"),
-                          ("differentiable", True, "set differentiable=False"),
-                          ("fused", True, "leave fused=None; hvd_zoadam runs its own fused math")):
-        if group.get(opt, False) == bad:
-            raise ValueError(f"{where}: {opt}={bad} is not supported by 0/1 Adam; {fix}")
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        raise TypeError(f"{where}: lr must be a Python float, not a Tensor")
-    if not lr >= 0:
-        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
-    beta1, beta2 = group["betas"]
-    for name, b in (("betas[0]", beta1), ("betas[1]", beta2)):
-        if isinstance(b, torch.Tensor) or not 0.0 <= b < 1.0:
-            raise ValueError(f"{where}: {name} must be a float in [0, 1), got {b}")
-    if not group["eps"] >= 0:
-        raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}")
-    if not group["weight_decay"] >= 0:
-        raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
-
-
-def _check_named_parameters(param_groups, named_parameters) -> dict:
-    """{param: name} from ``named_parameters`` (None: ``noname.<group>.<index>``), with
-    Horovod's checks and messages (ValueError)."""
-    params = [p for g in param_groups for p in g["params"]]
-    if named_parameters is None:
-        return {p: f"noname.{i}.{j}" for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
-    named_parameters = list(named_parameters)
-    if any(not isinstance(item, tuple) for item in named_parameters):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                         "usually produced by model.named_parameters().")
-    seen, dups = set(), set()
-    for name, _ in named_parameters:
-        (dups if name in seen else seen).add(name)
-    if dups:
-        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                         + ", ".join(sorted(dups)))
-    names = {p: name for name, p in named_parameters}
-    missing = [id(p) for p in params if p not in names]
-    if missing:
-        raise ValueError("named_parameters was specified, but one or more model parameters were "
-                         "not named. Python object ids: " + ", ".join(map(str, missing)))
-    return names
-
-
-class ZeroOneAdamOptimizer(torch.optim.Optimizer):
+class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
     """0/1 Adam over Horovod (Lu et al., arXiv 2202.06009). Build it with :func:`DistributedOptimizer`.
 
     It shares ``param_groups`` (lr, betas, eps, weight_decay) with the wrapped
@@ -148,8 +97,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.overlap = overlap
         self._step_log = None
         if step_log is not None and ("{rank}" in step_log or transport.rank == 0):
-            self._step_log = step_log.format(rank=transport.rank)
-        self._loss = None
+            self._step_log = StepLog(step_log.format(rank=transport.rank))
         self._names = self._name_parameters(named_parameters)
         self._collectives = CollectiveNames.for_layout(self._layout_description(), transport.world_size)
         self._engine = Engine(self, self._names, self._resolve_masks(exp_avg_mask),
@@ -167,12 +115,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self._checked_layout = False
         self._amp_seen = False
         self._warned_changed = False
-        self._stats = {k: {"steps": 0, "rounds": 0, "bytes_sent": 0} for k in _KIND_NAMES}
-        self._stats_extra = {"skipped_steps": 0, "adam_equivalent_bytes": 0}
-        self._adam_equivalent_bytes = 0.0
+        self._stats = CommStats()
         self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
         for index, group in enumerate(self.param_groups):
-            _check_group(group, index)
+            check_group(group, index)
             self._build_group(index)
         self._overlap = Overlap(len(self._buckets))
         if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
@@ -191,7 +137,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
 
     # -- construction ----------------------------------------------------------------------
     def _name_parameters(self, named_parameters) -> dict:
-        return _check_named_parameters(self.param_groups, named_parameters)
+        return check_named_parameters(self.param_groups, named_parameters)
 
     def _resolve_masks(self, exp_avg_mask) -> dict:
         """``exp_avg_mask``: {param or name: 0/1 tensor of the param's shape}; also DeepSpeed's
@@ -247,7 +193,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if getattr(self, "_ready", False):
             index = len(self.param_groups) - 1
-            _check_group(self.param_groups[index], index)
+            check_group(self.param_groups[index], index)
             for j, p in enumerate(self.param_groups[index]["params"]):
                 self._names.setdefault(p, f"noname.{index}.{j}")
             self._build_group(index)
@@ -582,10 +528,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         self.transport.counter.kind = kind.value
         ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange)
         k = self.algorithm.apply(ctx, kind, skip)
-        self._record(kind, skip)
+        self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))
         counters.update(step=step, exp_avg_sq_steps=k)
         if self._step_log:
-            self._write_step_log(step, kind, skip, loss)
+            self._step_log.write(step, kind, skip, float(self.param_groups[0]["lr"]), self.comm_stats(), loss)
         self._reset_passes()
         return loss
 
@@ -594,30 +540,10 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         return exchange_buckets(buckets, self._engine.scratch["g"], self._engine.scratch["w"], fill, consume,
                                 consume_packed)
 
-    def _record(self, kind: StepKind, skip: bool) -> None:
-        c = self.transport.counter
-        s = self._stats[kind.value]
-        s["steps"] += 1
-        s["rounds"], s["bytes_sent"] = c.rounds[kind.value], int(round(c.bytes_sent[kind.value]))
-        self._stats_extra["skipped_steps"] += int(skip)
-        p = self.world_size
-        n = sum(b.numel for b in self._buckets)
-        self._adam_equivalent_bytes += 2 * (p - 1) / p * 4 * n
-        self._stats_extra["adam_equivalent_bytes"] = int(round(self._adam_equivalent_bytes))
-
     def log_loss(self, loss) -> None:
         """Give the coming step's loss (a float or 0-dim tensor) to the per-step log."""
-        self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-
-    def _write_step_log(self, step, kind, skip, loss) -> None:
-        stats = self.comm_stats()
-        if loss is not None:
-            self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        record = {"step": step, "kind": kind.value, "lr": float(self.param_groups[0]["lr"]), "loss": self._loss,
-                  "skipped": skip, "bytes_sent": stats["bytes_sent_total"], "rounds": stats["rounds_total"]}
-        self._loss = None
-        with open(self._step_log, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self._step_log:
+            self._step_log.set_loss(loss)
 
     # -- reporting -----------------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -630,12 +556,7 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         steps: an allreduce of every trainable fp32 gradient per step), ``transport`` and
         ``world_size``. Bytes follow the table in :mod:`hvd_zoadam.transport`.
         """
-        out = {k: dict(v) for k, v in self._stats.items()}
-        out["bytes_sent_total"] = sum(v["bytes_sent"] for v in self._stats.values())
-        out["rounds_total"] = sum(v["rounds"] for v in self._stats.values())
-        out.update(self._stats_extra)
-        out.update(transport=self.transport.describe(), world_size=self.world_size)
-        return out
+        return self._stats.report(self.transport.describe(), self.world_size)
 
     def memory_bytes(self) -> dict:
         """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master
@@ -651,129 +572,6 @@ class ZeroOneAdamOptimizer(torch.optim.Optimizer):
         out.update(exp_avg_sq_steps=c["exp_avg_sq_steps"], freeze_lr=c["freeze_lr"],
                    lr_sum=[g["lr_sum"] for g in self.param_groups])
         return out
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def rank_state_dict(self) -> dict:
-        """This rank's own state, which ``state_dict()`` leaves out: the error buffers.
-
-        Returns a dict with ``world_size``, ``rank``, ``layout`` (the collective prefix, a
-        digest of the parameter layout) and per bucket float32 ``worker_error`` and
-        ``server_error``, copied to the CPU (no second copy on a GPU). See
-        :mod:`hvd_zoadam.checkpoint` for files.
-        """
-        return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
-                "layout": self._collectives.layout_digest,
-                "buckets": [{"worker_error": b.exchange.worker_error.to("cpu", copy=True),
-                             "server_error": b.exchange.server_error.to("cpu", copy=True)} for b in self._buckets]}
-
-    def load_rank_state_dict(self, rank_state: dict | None) -> bool:
-        """Restore :meth:`rank_state_dict`. Returns True when the buffers were restored.
-
-        When ``rank_state`` is None or comes from another world size, rank or layout, the
-        error buffers are zeroed instead (their sizes and chunks depend on the world size):
-        error feedback restarts, everything else resumes as loaded.
-        """
-        usable = (rank_state is not None and rank_state.get("world_size") == self.world_size
-                  and rank_state.get("rank") == self.transport.rank
-                  and rank_state.get("layout") == self._collectives.layout_digest
-                  and len(rank_state.get("buckets", ())) == len(self._buckets))
-        for i, b in enumerate(self._buckets):
-            if usable:
-                b.exchange.worker_error.copy_(rank_state["buckets"][i]["worker_error"])
-                b.exchange.server_error.copy_(rank_state["buckets"][i]["server_error"])
-            else:
-                b.exchange.zero_errors()
-        return usable
-
-    def __setstate__(self, state: dict) -> None:
-        # torch.optim.Optimizer's; Adam's (next in the MRO of DistributedOptimizer's class) would
-        # look for a per-parameter "step" that 0/1 Adam keeps in the counters instead.
-        torch.optim.Optimizer.__setstate__(self, state)
-
-    def state_dict(self) -> dict:
-        """torch's ``state_dict``. Called by ``hvd.broadcast_optimizer_state`` before the first
-        step, it first gives every trainable parameter without a gradient a zero gradient, as
-        Horovod's function does for a fresh optimizer before its dummy ``step()`` (which
-        hvd_zoadam, whose state exists from construction, never needs)."""
-        if self._counters["step"] == 0 and _called_by_broadcast_optimizer_state():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
-        buffers in float32 (no cast through a low-precision parameter dtype). The counters in
-        ``param_groups`` are restored exactly, so the schedule resumes where it was. This
-        rank's error buffers are kept; use a per-rank save to restore them too. The
-        backward-pass count is reset, as Horovod does.
-
-        **An Adam checkpoint** (``state_dict()`` of ``torch.optim.Adam``/``AdamW`` or of
-        ``hvd.DistributedOptimizer`` over one; no ``"zoadam"`` counters) is taken over as 0/1
-        Adam that had run every step as a VARIANCE step: ``exp_avg`` and ``exp_avg_sq`` become
-        m and v, and the schedule continues at Adam's step count t (``step`` and
-        ``exp_avg_sq_steps`` both t), so the next step is t + 1 of the schedule and the bias
-        corrections of m and v are exactly Adam's; lr, betas, eps and weight_decay come from
-        the checkpoint, the weight-decay kind (Adam or AdamW) and the implementation flags
-        (``foreach``, ``fused``, ...) stay this optimizer's. If t >= ``var_freeze_step`` v is
-        frozen from the next step on, with the checkpoint's lr as the lr at the freeze. At the
-        next step, on every rank, the anchor is set to the parameters as they are then (so the
-        model may be loaded or broadcast after the optimizer) and the error buffers and the
-        window are zeroed. A parameter without Adam state gets m = v = 0. ``amsgrad`` or
-        ``maximize`` checkpoints are refused (ValueError) before anything changes.
-
-        The buffers' tensors bypass torch's loader, which would first cast each of them to
-        its parameter's device and dtype: a transient second copy of m, v and the anchor on
-        the GPU when a checkpoint was loaded to the CPU."""
-        if STATE_KEY not in state_dict["param_groups"][0]:
-            state_dict = self._from_adam_state_dict(state_dict)
-        saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
-        self._pending = None
-        for p in self._passes:
-            self._passes[p] = 0
-        buffers = ("exp_avg", "exp_avg_sq", "anchor", "exp_avg_mask")
-        super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in st.items() if k not in buffers}
-                                                         for i, st in saved.items()}})
-        for b in self._buckets:
-            for key in b.views:
-                skey = "exp_avg_mask" if key == "mask" else key
-                for p, view in zip(b.params, b.views[key]):
-                    if p in originals and skey in originals[p]:
-                        view.copy_(originals[p][skey].reshape(view.shape))
-                    self.state[p][skey] = view
-        for group in self.param_groups:
-            group.setdefault("lr_sum", 0.0)
-            group.setdefault("decay_product", 1.0)
-
-    def _from_adam_state_dict(self, state_dict: dict) -> dict:
-        """An Adam ``state_dict`` as the 0/1 Adam ``state_dict`` it is taken over as (see
-        :meth:`load_state_dict`); raises ValueError for what 0/1 Adam cannot continue."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        keep = ("decoupled_weight_decay", "foreach", "fused", "capturable", "differentiable")
-        groups, steps = [], [0]
-        for index, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            group = {**saved, **{k: mine[k] for k in keep if k in mine}, "lr_sum": 0.0, "decay_product": 1.0}
-            try:
-                _check_group(group, index)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"cannot take over this Adam checkpoint: {exc}") from None
-            groups.append(group)
-        state = {}
-        for pid, st in state_dict["state"].items():
-            state[pid] = {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
-            if "step" in st:
-                steps.append(int(round(float(st["step"]))))
-        t = max(steps)
-        frozen = t >= self.schedule.var_freeze_step
-        groups[0][STATE_KEY] = {"step": t, "exp_avg_sq_steps": t,
-                                "freeze_lr": float(groups[0]["lr"]) if frozen else None, ADOPT_KEY: True}
-        return {"state": state, "param_groups": groups}
 
 
 def _remove_hooks(handles: list) -> None:
@@ -797,13 +595,6 @@ def _optimizer_class(base: type) -> type:
                                      "__qualname__": ZeroOneAdamOptimizer.__qualname__,
                                      "__doc__": ZeroOneAdamOptimizer.__doc__})
     return cls
-
-
-def _called_by_broadcast_optimizer_state() -> bool:
-    """Whether the caller of the caller is ``horovod.torch.functions.broadcast_optimizer_state``."""
-    code = sys._getframe(2).f_code
-    return code.co_name == "broadcast_optimizer_state" and \
-        code.co_filename.replace("\\", "/").endswith("horovod/torch/functions.py")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
@@ -899,50 +690,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if not isinstance(optimizer, torch.optim.Adam):
         raise TypeError("hvd_zoadam.DistributedOptimizer supports torch.optim.Adam (L2 weight decay) and "
                         f"torch.optim.AdamW (decoupled weight decay); got {type(optimizer).__name__}")
-    if hvd is not None:
-        compression = hvd.Compression.none if compression is None else compression
-        if compression not in (hvd.Compression.none, hvd.Compression.fp16):
-            raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16 (applied to the "
-                             f"full-precision VARIANCE steps); got {compression!r}")
-        op = hvd.Average if op is None else op
-        if op == hvd.Adasum:
-            raise ValueError("op=hvd.Adasum cannot be combined with 0/1 Adam, which compresses and averages "
-                             "updates itself; use op=hvd.Average (the default) or hvd.DistributedOptimizer for "
-                             "Adasum")
-        if op != hvd.Average:
-            raise ValueError(f"op must be hvd.Average for 0/1 Adam (its updates are averages); got {op!r}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
-        raise TypeError(f"backward_passes_per_step must be an int, got {backward_passes_per_step!r}")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0 \
-            or not math.isfinite(gradient_predivide_factor):
-        raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}")
-    if groups is not None:
-        raise ValueError("groups is not supported by hvd_zoadam, which fuses parameters into buckets itself; "
-                         "pass groups=None and tune bucket_cap_mb instead")
-    if not isinstance(sparse_as_dense, bool):
-        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
-    if not isinstance(bias_correction, bool):
-        raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
-    if local_step_policy not in LOCAL_STEP_POLICIES:
-        raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, got {local_step_policy!r}")
-    if scale_block_numel is not None:
-        scale_block_numel = check_positive_int(scale_block_numel, "scale_block_numel",
-                                               "Use a multiple of 8 such as 2048, or None for one scale per tensor.")
-        if scale_block_numel % 8:
-            raise ValueError(f"scale_block_numel must be a multiple of 8 (whole bytes of sign bits per block), "
-                             f"got {scale_block_numel}")
-    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
+    compression, op = check_horovod_arguments(hvd, compression, op)
+    scale_block_numel = check_arguments(
+        backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
+        groups=groups, sparse_as_dense=sparse_as_dense, bias_correction=bias_correction,
+        local_step_policy=local_step_policy, scale_block_numel=scale_block_numel, bucket_cap_mb=bucket_cap_mb)
     schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
                         local_step_policy)
     # Every argument is checked before Horovod is asked anything (initialised? in the process set?).
     if named_parameters is not None:
         named_parameters = list(named_parameters)
-    _check_named_parameters(optimizer.param_groups, named_parameters)
+    check_named_parameters(optimizer.param_groups, named_parameters)
     for index, group in enumerate(optimizer.param_groups):
-        _check_group(group, index)
+        check_group(group, index)
     transport = make_transport(transport, process_set)
     return _optimizer_class(type(optimizer))(
         optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,

@@ -1,0 +1,115 @@
+"""The checks of hvd_zoadam's arguments and the keys of its state in ``param_groups``.
+
+Every check raises ``ValueError`` or ``TypeError`` naming the option and the fix, with
+Horovod's texts where Horovod has the same check. Imported by the shell and by the
+checkpoint contract (:mod:`hvd_zoadam.state`); imports only :mod:`hvd_zoadam.schedule`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .schedule import LOCAL_STEP_POLICIES, check_positive_int
+
+STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
+ADOPT_KEY = "adopt_at_next_step"  # in the counters after loading an Adam checkpoint, until the next step
+
+
+def check_group(group: dict, index: int) -> None:
+    """Validate one param group's Adam options (ValueError/TypeError naming the option)."""
+    where = f"param_groups[{index}]"
+    for opt, bad, fix in (("amsgrad", True, "set amsgrad=False"),
+                          ("maximize", True, "negate the loss instead"),
+                          ("capturable", True, "set capturable=False"),
+                          ("differentiable", True, "set differentiable=False"),
+                          ("fused", True, "leave fused=None; hvd_zoadam runs its own fused math")):
+        if group.get(opt, False) == bad:
+            raise ValueError(f"{where}: {opt}={bad} is not supported by 0/1 Adam; {fix}")
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(f"{where}: lr must be a Python float, not a Tensor")
+    if not lr >= 0:
+        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
+    beta1, beta2 = group["betas"]
+    for name, b in (("betas[0]", beta1), ("betas[1]", beta2)):
+        if isinstance(b, torch.Tensor) or not 0.0 <= b < 1.0:
+            raise ValueError(f"{where}: {name} must be a float in [0, 1), got {b}")
+    if not group["eps"] >= 0:
+        raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}")
+    if not group["weight_decay"] >= 0:
+        raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
+
+
+def check_named_parameters(param_groups, named_parameters) -> dict:
+    """{param: name} from ``named_parameters`` (None: ``noname.<group>.<index>``), with
+    Horovod's checks and messages (ValueError)."""
+    params = [p for g in param_groups for p in g["params"]]
+    if named_parameters is None:
+        return {p: f"noname.{i}.{j}" for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    named_parameters = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen, dups = set(), set()
+    for name, _ in named_parameters:
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(sorted(dups)))
+    names = {p: name for name, p in named_parameters}
+    missing = [id(p) for p in params if p not in names]
+    if missing:
+        raise ValueError("named_parameters was specified, but one or more model parameters were "
+                         "not named. Python object ids: " + ", ".join(map(str, missing)))
+    return names
+
+
+def check_horovod_arguments(hvd, compression, op):
+    """``compression`` and ``op`` with Horovod's defaults filled in (both as given when ``hvd`` is
+    None: an explicit transport without Horovod). Returns (compression, op)."""
+    if hvd is None:
+        return compression, op
+    compression = hvd.Compression.none if compression is None else compression
+    if compression not in (hvd.Compression.none, hvd.Compression.fp16):
+        raise ValueError("compression must be hvd.Compression.none or hvd.Compression.fp16 (applied to the "
+                         f"full-precision VARIANCE steps); got {compression!r}")
+    op = hvd.Average if op is None else op
+    if op == hvd.Adasum:
+        raise ValueError("op=hvd.Adasum cannot be combined with 0/1 Adam, which compresses and averages "
+                         "updates itself; use op=hvd.Average (the default) or hvd.DistributedOptimizer for "
+                         "Adasum")
+    if op != hvd.Average:
+        raise ValueError(f"op must be hvd.Average for 0/1 Adam (its updates are averages); got {op!r}")
+    return compression, op
+
+
+def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense,
+                    bias_correction, local_step_policy, scale_block_numel, bucket_cap_mb):
+    """The factory's other arguments (the schedule's knobs are :class:`~hvd_zoadam.schedule.Schedule`'s).
+    Returns ``scale_block_numel`` as an int (or None)."""
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+        raise TypeError(f"backward_passes_per_step must be an int, got {backward_passes_per_step!r}")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0 \
+            or not math.isfinite(gradient_predivide_factor):
+        raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}")
+    if groups is not None:
+        raise ValueError("groups is not supported by hvd_zoadam, which fuses parameters into buckets itself; "
+                         "pass groups=None and tune bucket_cap_mb instead")
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
+    if local_step_policy not in LOCAL_STEP_POLICIES:
+        raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, got {local_step_policy!r}")
+    if scale_block_numel is not None:
+        scale_block_numel = check_positive_int(scale_block_numel, "scale_block_numel",
+                                               "Use a multiple of 8 such as 2048, or None for one scale per tensor.")
+        if scale_block_numel % 8:
+            raise ValueError(f"scale_block_numel must be a multiple of 8 (whole bytes of sign bits per block), "
+                             f"got {scale_block_numel}")
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
+    return scale_block_numel

@@ -1,0 +1,146 @@
+"""The optimizer's checkpoint contract: torch's ``state_dict``/``load_state_dict`` (including
+taking over an Adam checkpoint) and each rank's own state (the error buffers).
+
+:class:`StateDictMixin` is a base of :class:`hvd_zoadam.optimizer.ZeroOneAdamOptimizer`;
+files are :mod:`hvd_zoadam.checkpoint`'s. No collectives here.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .options import ADOPT_KEY, STATE_KEY, check_group
+
+
+class StateDictMixin:
+    """State-dict methods of the optimizer (they read its engine, counters and schedule)."""
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state, which ``state_dict()`` leaves out: the error buffers.
+
+        Returns a dict with ``world_size``, ``rank``, ``layout`` (the collective prefix, a
+        digest of the parameter layout) and per bucket float32 ``worker_error`` and
+        ``server_error``, copied to the CPU (no second copy on a GPU). See
+        :mod:`hvd_zoadam.checkpoint` for files.
+        """
+        return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
+                "layout": self._collectives.layout_digest,
+                "buckets": [{"worker_error": b.exchange.worker_error.to("cpu", copy=True),
+                             "server_error": b.exchange.server_error.to("cpu", copy=True)} for b in self._buckets]}
+
+    def load_rank_state_dict(self, rank_state: dict | None) -> bool:
+        """Restore :meth:`rank_state_dict`. Returns True when the buffers were restored.
+
+        When ``rank_state`` is None or comes from another world size, rank or layout, the
+        error buffers are zeroed instead (their sizes and chunks depend on the world size):
+        error feedback restarts, everything else resumes as loaded.
+        """
+        usable = (rank_state is not None and rank_state.get("world_size") == self.world_size
+                  and rank_state.get("rank") == self.transport.rank
+                  and rank_state.get("layout") == self._collectives.layout_digest
+                  and len(rank_state.get("buckets", ())) == len(self._buckets))
+        for i, b in enumerate(self._buckets):
+            if usable:
+                b.exchange.worker_error.copy_(rank_state["buckets"][i]["worker_error"])
+                b.exchange.server_error.copy_(rank_state["buckets"][i]["server_error"])
+            else:
+                b.exchange.zero_errors()
+        return usable
+
+    def __setstate__(self, state: dict) -> None:
+        # torch.optim.Optimizer's; Adam's (next in the MRO of DistributedOptimizer's class) would
+        # look for a per-parameter "step" that 0/1 Adam keeps in the counters instead.
+        torch.optim.Optimizer.__setstate__(self, state)
+
+    def state_dict(self) -> dict:
+        """torch's ``state_dict``. Called by ``hvd.broadcast_optimizer_state`` before the first
+        step, it first gives every trainable parameter without a gradient a zero gradient, as
+        Horovod's function does for a fresh optimizer before its dummy ``step()`` (which
+        hvd_zoadam, whose state exists from construction, never needs)."""
+        if self._counters["step"] == 0 and _called_by_broadcast_optimizer_state():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
+        buffers in float32 (no cast through a low-precision parameter dtype). The counters in
+        ``param_groups`` are restored exactly, so the schedule resumes where it was. This
+        rank's error buffers are kept; use a per-rank save to restore them too. The
+        backward-pass count is reset, as Horovod does.
+
+        **An Adam checkpoint** (``state_dict()`` of ``torch.optim.Adam``/``AdamW`` or of
+        ``hvd.DistributedOptimizer`` over one; no ``"zoadam"`` counters) is taken over as 0/1
+        Adam that had run every step as a VARIANCE step: ``exp_avg`` and ``exp_avg_sq`` become
+        m and v, and the schedule continues at Adam's step count t (``step`` and
+        ``exp_avg_sq_steps`` both t), so the next step is t + 1 of the schedule and the bias
+        corrections of m and v are exactly Adam's; lr, betas, eps and weight_decay come from
+        the checkpoint, the weight-decay kind (Adam or AdamW) and the implementation flags
+        (``foreach``, ``fused``, ...) stay this optimizer's. If t >= ``var_freeze_step`` v is
+        frozen from the next step on, with the checkpoint's lr as the lr at the freeze. At the
+        next step, on every rank, the anchor is set to the parameters as they are then (so the
+        model may be loaded or broadcast after the optimizer) and the error buffers and the
+        window are zeroed. A parameter without Adam state gets m = v = 0. ``amsgrad`` or
+        ``maximize`` checkpoints are refused (ValueError) before anything changes.
+
+        The buffers' tensors bypass torch's loader, which would first cast each of them to
+        its parameter's device and dtype: a transient second copy of m, v and the anchor on
+        the GPU when a checkpoint was loaded to the CPU."""
+        if STATE_KEY not in state_dict["param_groups"][0]:
+            state_dict = self._from_adam_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
+        self._pending = None
+        for p in self._passes:
+            self._passes[p] = 0
+        buffers = ("exp_avg", "exp_avg_sq", "anchor", "exp_avg_mask")
+        super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in st.items() if k not in buffers}
+                                                         for i, st in saved.items()}})
+        for b in self._buckets:
+            for key in b.views:
+                skey = "exp_avg_mask" if key == "mask" else key
+                for p, view in zip(b.params, b.views[key]):
+                    if p in originals and skey in originals[p]:
+                        view.copy_(originals[p][skey].reshape(view.shape))
+                    self.state[p][skey] = view
+        for group in self.param_groups:
+            group.setdefault("lr_sum", 0.0)
+            group.setdefault("decay_product", 1.0)
+
+    def _from_adam_state_dict(self, state_dict: dict) -> dict:
+        """An Adam ``state_dict`` as the 0/1 Adam ``state_dict`` it is taken over as (see
+        :meth:`load_state_dict`); raises ValueError for what 0/1 Adam cannot continue."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        keep = ("decoupled_weight_decay", "foreach", "fused", "capturable", "differentiable")
+        groups, steps = [], [0]
+        for index, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            group = {**saved, **{k: mine[k] for k in keep if k in mine}, "lr_sum": 0.0, "decay_product": 1.0}
+            try:
+                check_group(group, index)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"cannot take over this Adam checkpoint: {exc}") from None
+            groups.append(group)
+        state = {}
+        for pid, st in state_dict["state"].items():
+            state[pid] = {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
+            if "step" in st:
+                steps.append(int(round(float(st["step"]))))
+        t = max(steps)
+        frozen = t >= self.schedule.var_freeze_step
+        groups[0][STATE_KEY] = {"step": t, "exp_avg_sq_steps": t,
+                                "freeze_lr": float(groups[0]["lr"]) if frozen else None, ADOPT_KEY: True}
+        return {"state": state, "param_groups": groups}
+
+
+def _called_by_broadcast_optimizer_state() -> bool:
+    """Whether the caller of the caller is ``horovod.torch.functions.broadcast_optimizer_state``."""
+    code = sys._getframe(2).f_code
+    return code.co_name == "broadcast_optimizer_state" and \
+        code.co_filename.replace("\\", "/").endswith("horovod/torch/functions.py")
