@@ -282,7 +282,7 @@ def cmd_kernels(args) -> dict:
     preallocated one (device to device on CUDA), timed alternately with each kernel; each
     ratio is best kernel time against best copy time over ``--repeats`` pairs after a
     warm-up. CUDA: events on the current stream; CPU: ``perf_counter``.
-    Issue 3's targets at 2^24 float32 elements: CPU (one thread) worker_compress and
+    The kernels' targets at 2^24 float32 elements: CPU (one thread) worker_compress and
     decompress_momentum >= 0.5x copy; GPU every kernel >= 0.6x.
     """
     import numba

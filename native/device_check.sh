@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check of the numba.cuda kernels (issue 3), for a machine with an NVIDIA GPU.
+# Device check of the numba.cuda kernels, for a machine with an NVIDIA GPU.
 #
 #   bash native/device_check.sh            # from the repository root, in the project's venv
 #
