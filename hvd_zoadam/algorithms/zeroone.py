@@ -135,31 +135,32 @@ class ZeroOneAdam:
         _SyncStep(self, ctx, k).run()
 
 
-def variance_step(ctx: StepContext, k: int) -> None:
-    """VARIANCE on every bucket, from the averaged gradients in p.grad."""
+def _with_gradients(ctx: StepContext, k: int):
+    """Per bucket: (bucket, its Hyper, its gradient float32[n] from p.grad, x float32[n]); x is
+    scattered back into the parameters once the caller's step on it is done."""
     engine = ctx.engine
     g = engine.scratch["g"]
     for b in engine.buckets:
         h = engine.hyper(b, ctx.step, k)
         engine.grads_into(b, g, raw=not ctx.exchanged)
         x = engine.load_x(b)
+        yield b, h, g[:b.numel], x
+        engine.scatter(x, b.params)
+
+
+def variance_step(ctx: StepContext, k: int) -> None:
+    """VARIANCE on every bucket, from the averaged gradients in p.grad."""
+    for b, h, g, x in _with_gradients(ctx, k):
         # Only the user's mask here: with the exact average, v == 0 after this step means every
         # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
-        kinds.variance_step(x, g[:b.numel], b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=engine.scratch_d(b.numel))
-        engine.scatter(x, b.params)
+        kinds.variance_step(x, g, b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=ctx.engine.scratch_d(b.numel))
 
 
 def compressed_step(ctx: StepContext, k: int) -> None:
     """COMPRESSED on every bucket, from ĝ in p.grad (the local g at P = 1)."""
-    engine = ctx.engine
-    g = engine.scratch["g"]
-    for b in engine.buckets:
-        h = engine.hyper(b, ctx.step, k)
-        engine.grads_into(b, g, raw=not ctx.exchanged)
-        x = engine.load_x(b)
-        denom = kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
-        kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, engine.mask_of(b))
-        engine.scatter(x, b.params)
+    for b, h, g, x in _with_gradients(ctx, k):
+        denom = kinds.adam_denom(b.exp_avg_sq, h, out=ctx.engine.scratch_d(b.numel))
+        kinds.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
 
 
 def advance_window(param_groups) -> None:
