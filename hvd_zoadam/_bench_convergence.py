@@ -163,17 +163,24 @@ def _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_
     return final, trace
 
 
-def _summarise(trace: list) -> dict:
-    """Error feedback's size against the exchanged result's, per kind (mean over its steps)."""
+def _ratios(rows: list) -> dict:
+    return {"steps": len(rows),
+            "worker_error_vs_result": sum(r["worker_error"] / max(r["result"], 1e-30) for r in rows) / len(rows),
+            "server_error_vs_result": sum(r["server_error"] / max(r["result"], 1e-30) for r in rows) / len(rows)}
+
+
+def _summarise(trace: list, window: int = 100) -> dict:
+    """Error feedback's size against the exchanged result's, per kind: the mean over its steps,
+    and the same per ``window`` steps (``by_window``: first step of the window -> ratios), to
+    show whether it grows over time."""
     out = {}
     for kind in ("compressed", "sync"):
         rows = [r for r in trace if r["kind"] == kind]
         if rows:
-            out[kind] = {"steps": len(rows),
-                         "worker_error_vs_result": sum(r["worker_error"] / max(r["result"], 1e-30) for r in rows)
-                         / len(rows),
-                         "server_error_vs_result": sum(r["server_error"] / max(r["result"], 1e-30) for r in rows)
-                         / len(rows)}
+            out[kind] = _ratios(rows)
+            starts = sorted({(r["step"] - 1) // window * window + 1 for r in rows})
+            out[kind]["by_window"] = {str(s0): _ratios([r for r in rows if s0 <= r["step"] < s0 + window])
+                                      for s0 in starts}
     return out
 
 
