@@ -38,9 +38,11 @@ _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer tha
 class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
     """0/1 Adam over Horovod (Lu et al., arXiv 2202.06009). Build it with :func:`DistributedOptimizer`.
 
-    It shares ``param_groups`` (lr, betas, eps, weight_decay) with the wrapped
-    ``torch.optim.Adam``/``AdamW``; they are read at every step, so LR schedulers and
-    manual changes take effect at once.
+    It starts with the ``param_groups`` (lr, betas, eps, weight_decay) of the wrapped
+    ``torch.optim.Adam``/``AdamW``; its own ``param_groups`` are read at every step, so LR
+    schedulers and manual changes take effect at once. ``load_state_dict`` replaces them with
+    new dicts, as torch does: after a load, use the returned optimizer, not the wrapped one
+    (as with ``hvd.DistributedOptimizer``).
 
     **Communication per step kind** (algorithm.md §2): VARIANCE averages g in full precision;
     COMPRESSED sends C(g); LOCAL sends nothing; SYNC sends C(accumulated update).
