@@ -17,6 +17,8 @@
   hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)``.
 * ``convergence``: 0/1 Adam's validation loss at P simulated workers with one factor
   switched off at a time, against AdamW (:mod:`hvd_zoadam._bench_convergence`).
+* ``resume``: what a resume at another world size, or from rank 0's file alone, keeps of
+  the error feedback (:mod:`hvd_zoadam._bench_resume`).
 * ``model``: an alpha-beta model of step time; validated against a ``network`` JSON
   when given, and projected to BERT-Large on 16–128 workers.
 """
@@ -31,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _bench_convergence
+from . import _bench_convergence, _bench_resume
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_LABELS = {
@@ -526,6 +528,7 @@ def main(argv=None) -> int:
     mo.add_argument("--zo-sync-frac", type=float, default=0.10)
     mo.add_argument("--json")
     _bench_convergence.add_parser(sub)
+    _bench_resume.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "network":
         args.rate = args.rate or ["100mbit", "1gbit"]
@@ -537,6 +540,9 @@ def main(argv=None) -> int:
     elif args.cmd == "convergence":
         from ._bench_lm import _train_lm
         report = _bench_convergence.run(args, _train_lm())
+    elif args.cmd == "resume":
+        from ._bench_lm import _train_lm
+        report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)
     else:
         report = cmd_model(args)
     text = json.dumps(report, indent=1)

@@ -10,10 +10,19 @@ Two kinds of files, both written atomically (a temporary file in the same folder
   (:meth:`ZeroOneAdamOptimizer.rank_state_dict`). A resume with the same world size
   reads these and is bitwise identical to an uninterrupted run.
 
-A resume with another world size reads ``{prefix}.pt`` on every rank (put it on a shared
-file system), re-creates the error buffers at zero (their sizes depend on the world size),
-and continues the open window from the loaded parameters and anchor. The step counters
-and schedules are restored exactly either way.
+``{prefix}.pt`` also holds the error feedback pooled over ranks
+(:meth:`ZeroOneAdamOptimizer.error_feedback_state`): the mean of the worker errors and
+the server errors of all ranks in each parameter's own layout. A resume with another world
+size, or without the per-rank files, reads ``{prefix}.pt`` on every rank (put it on a
+shared file system): every rank takes the mean worker error and its own chunk of the
+server errors, so what the job still owes in error feedback is kept exactly; only how it
+was split among the ranks is lost. Inside a local-step window, rank 0's parameters are
+loaded everywhere (the other ranks' local progress is lost). The step counters and
+schedules are restored exactly either way.
+
+A file that cannot be read, or that was written for another model or optimizer, raises
+:class:`CheckpointError` naming the file and what does not match; nothing is loaded
+silently.
 """
 from __future__ import annotations
 
@@ -21,6 +30,10 @@ import os
 import tempfile
 
 import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable, truncated, or was written for another model/optimizer."""
 
 
 def atomic_save(obj, path: str) -> None:
@@ -48,30 +61,59 @@ def save(prefix: str, model: torch.nn.Module, optimizer, **extra) -> None:
     """Write ``{prefix}.pt`` (rank 0) and ``{prefix}.rank{r}.pt`` (every rank).
 
     ``extra`` (e.g. ``scheduler=sched.state_dict(), epoch=3``) goes into both files.
-    Call it on every rank of the optimizer's process set at the same step.
+    **Collective**: call it on every rank of the optimizer's process set at the same step
+    (it pools the error feedback, see :meth:`ZeroOneAdamOptimizer.error_feedback_state`).
     """
     rank = optimizer.transport.rank
     common = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "extra": extra}
+    pooled = optimizer.error_feedback_state()
     if rank == 0:
-        atomic_save(common, f"{prefix}.pt")
+        atomic_save({**common, "error_feedback": pooled}, f"{prefix}.pt")
     atomic_save({**common, "rank_state": optimizer.rank_state_dict()}, rank_path(prefix, rank))
+
+
+def read(path: str) -> dict:
+    """``torch.load`` of one of :func:`save`'s files onto the CPU; :class:`CheckpointError`
+    (naming the file) when it is missing, truncated, corrupted or not a checkpoint."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path!r} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds for a bad file
+        raise CheckpointError(f"checkpoint file {path!r} cannot be read (truncated or corrupted?): "
+                              f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(ckpt, dict) or not {"model", "optimizer", "extra"} <= set(ckpt):
+        raise CheckpointError(f"{path!r} is not an hvd_zoadam checkpoint (no model/optimizer/extra entries)")
+    return ckpt
 
 
 def load(prefix: str, model: torch.nn.Module, optimizer) -> dict:
     """Restore from :func:`save`'s files; returns the ``extra`` dict.
 
     Uses this rank's own file when it exists and was written with the same world size
-    (exact resume); otherwise ``{prefix}.pt`` with fresh error buffers.
+    (exact resume); otherwise ``{prefix}.pt``, with the pooled error feedback. Collectives:
+    none.
+
+    Raises:
+        CheckpointError: a file is unreadable or was written for another model or optimizer
+            (the message names the file and the mismatch).
     """
     own = rank_path(prefix, optimizer.transport.rank)
-    ckpt = None
+    ckpt, path = None, own
     if os.path.exists(own):
-        ckpt = torch.load(own, map_location="cpu", weights_only=False)
-        if ckpt["rank_state"]["world_size"] != optimizer.world_size:
+        ckpt = read(own)
+        if ckpt.get("rank_state", {}).get("world_size") != optimizer.world_size:
             ckpt = None
     if ckpt is None:
-        ckpt = torch.load(f"{prefix}.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    optimizer.load_rank_state_dict(ckpt.get("rank_state"))
+        path = f"{prefix}.pt"
+        ckpt = read(path)
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if "rank_state" in ckpt:
+            optimizer.load_rank_state_dict(ckpt["rank_state"])
+        else:
+            optimizer.load_error_feedback(ckpt.get("error_feedback"))
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint file {path!r} does not fit this model and optimizer: {exc}") from exc
     return ckpt["extra"]

@@ -6,10 +6,15 @@ type from Horovod's handler registry. :func:`register_state_handler` puts
 (:class:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer`); ``hvd_zoadam.DistributedOptimizer``
 calls it, so users write nothing extra. This module imports nothing of hvd_zoadam. The handler
 is Horovod's optimizer handler (deep copy of ``state_dict()`` on commit,
-``load_state_dict`` on restore) whose ``sync()`` first calls
-:meth:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer.on_reset` on every rank, then
-``hvd.broadcast_optimizer_state(opt, root_rank=0)``, so m, v, the anchor, the window and
-the schedule counters come from rank 0 and the error buffers fit the new world size.
+``load_state_dict`` on restore), plus:
+
+* on commit, a CPU copy of this rank's error buffers (``rank_state_dict()``), restored with
+  the rest on ``restore()``, so the buffers belong to the same step as m, v and the anchor;
+* ``sync()`` calls :meth:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer.on_reset` and
+  :meth:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer.pool_errors_after_reset` on every
+  rank, then ``hvd.broadcast_optimizer_state(opt, root_rank=0)``: m, v, the anchor, the
+  window and the schedule counters come from rank 0, and the error feedback the surviving
+  ranks owe is carried over to buffers laid out for the new world size.
 """
 from __future__ import annotations
 
@@ -30,10 +35,24 @@ def register_state_handler(optimizer_cls) -> bool:
         return False
 
     class ZeroOneAdamStateHandler(elastic_state.OptimizerStateHandler):
-        """Horovod's optimizer handler, plus a re-layout for the current world in ``sync()``."""
+        """Horovod's optimizer handler, plus the error buffers on commit and restore, and a
+        re-layout for the current world (carrying the error feedback over) in ``sync()``."""
+
+        def __init__(self, optimizer):
+            super().__init__(optimizer)
+            self._saved_rank_state = optimizer.rank_state_dict()
+
+        def save(self):
+            super().save()
+            self._saved_rank_state = self.value.rank_state_dict()
+
+        def restore(self):
+            super().restore()
+            self.value.load_rank_state_dict(self._saved_rank_state)
 
         def sync(self):
             self.value.on_reset()
+            self.value.pool_errors_after_reset()
             super().sync()
 
     elastic_state.get_handler_registry().insert(0, (optimizer_cls, ZeroOneAdamStateHandler))

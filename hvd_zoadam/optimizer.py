@@ -26,7 +26,8 @@ from .engine import Engine
 from .options import (ADOPT_KEY, STATE_KEY, check_arguments, check_group, check_horovod_arguments,
                       check_named_parameters)
 from .overlap import Overlap
-from .protocol import Average, CollectiveNames, check_layout, exchange_buckets, grads_changed_anywhere
+from .protocol import (Average, CollectiveNames, check_layout, exchange_buckets, grads_changed_anywhere,
+                       pool_error_feedback)
 from .schedule import Schedule, StepKind
 from .state import StateDictMixin
 from .stats import CommStats, StepLog
@@ -300,17 +301,21 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         For ``hvd.elastic.run``: after a reset (``hvd.shutdown(); hvd.init()``) the world size
         and this process's rank may differ. Every bucket gets a new exchange plan and new,
         zeroed ``worker_error`` float32[padded_numel(n, P)] and ``server_error``
-        float32[padded_numel(n, P) // P] (error feedback restarts, as after a resume on
-        another world size); m, v, the anchor, the window and the schedule counters are
-        untouched (``state.sync()`` broadcasts them from rank 0 right after). The settings
-        and layout check of the first step runs again, on every rank. A half-done step
-        (counted backward passes, a prepared exchange) is dropped.
+        float32[padded_numel(n, P) // P]; m, v, the anchor, the window and the schedule
+        counters are untouched (``state.sync()`` broadcasts them from rank 0 right after). The
+        old world's error buffers are kept until :meth:`pool_errors_after_reset` (which
+        ``hvd.elastic.TorchState`` calls next) carries what they owe over. The settings and
+        layout check of the first step runs again, on every rank. A half-done step (counted
+        backward passes, a prepared exchange) is dropped.
 
         ``hvd.elastic.TorchState`` calls this from its ``sync()`` on every rank (hvd_zoadam
         registers a state handler for its optimizer); :meth:`step` also calls it when it
-        finds the world size or rank changed. Collectives: none.
+        finds the world size or rank changed (then error feedback restarts at zero).
+        Collectives: none.
         """
+        before = (self.world_size, self.transport.rank, [b.exchange for b in self._buckets])
         self.transport.refresh()
+        self._before_reset = before if self._counters["step"] > 0 else None  # a joined rank owes nothing
         self.world_size = self.transport.world_size
         self._collectives.prefix = CollectiveNames.for_layout(self._layout_description(), self.world_size).prefix
         self._engine.relayout()
@@ -321,6 +326,40 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._exchanged = False
         self._overlap = Overlap(len(self._buckets))  # handles of the old world: dropped, not waited for
         self._reset_passes()
+
+    def pool_errors_after_reset(self) -> int:
+        """Carry the error feedback of the ranks that were in the old world over to the new one
+        (algorithm.md §6), after :meth:`on_reset`. **Collective** over the new world: every rank
+        calls it (``hvd.elastic.TorchState``'s ``sync()`` does).
+
+        Every new rank's ``worker_error`` becomes the mean of the surviving ranks' worker
+        errors, and the new server chunks are cut from the surviving ranks' server chunks in
+        the bucket's global layout. What a rank that left owed is lost: its worker error,
+        and its server chunk (those elements restart at zero). Returns the number of
+        surviving ranks (0: nothing carried over, the buffers stay zero).
+        """
+        before, self._before_reset = getattr(self, "_before_reset", None), None
+        survivors = sum(self.transport.allgather_object(before is not None, f"{self._collectives.pool(0)}.count"))
+        if survivors == 0:
+            return 0
+        for index, b in enumerate(self._buckets):
+            ex = b.exchange
+            worker = torch.zeros(ex.padded_numel, device=ex.worker_error.device)
+            server = torch.zeros_like(worker)
+            if before is not None:
+                old_p, old_rank, exchanges = before
+                old = exchanges[index]
+                worker[:ex.numel] = old.worker_error[:ex.numel]
+                lo = old_rank * old.chunk_numel
+                hi = min(ex.numel, lo + old.chunk_numel)
+                if hi > lo:
+                    server[lo:hi] = old.server_error[:hi - lo]
+            worker, server = pool_error_feedback(worker, server, survivors, self.transport,
+                                                 self._collectives.pool(index))
+            lo = self.transport.rank * ex.chunk_numel
+            ex.worker_error.copy_(worker)
+            ex.server_error.copy_(server[lo:lo + ex.chunk_numel])
+        return survivors
 
     # -- Horovod's contract --------------------------------------------------------------------
     def synchronize(self) -> None:

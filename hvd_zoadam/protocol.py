@@ -70,6 +70,10 @@ class CollectiveNames:
         """The full-precision allreduce of tensor ``tensor`` of bucket ``index``."""
         return f"{self.bucket(index)}.avg.{tensor}"
 
+    def pool(self, index: int) -> str:
+        """Prefix of bucket ``index``'s error-feedback pooling (``.a`` alltoall, ``.b`` allgather)."""
+        return f"{self.bucket(index)}.pool"
+
     def grads_changed(self, step: int) -> str:
         return f"zoadam.{self.prefix}.grads_changed.{step}"
 
@@ -374,6 +378,45 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
         else:
             consume(b, b.exchange.finish_gather(h, w[:b.numel]))
     return True
+
+
+def pool_error_feedback(worker: torch.Tensor, server: torch.Tensor, contributors: int, transport: Transport,
+                        name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a bucket's error feedback still owes, pooled over ranks (algorithm.md §6).
+
+    Args:
+        worker: float32[N], N = padded_numel(n, P) of the current world: this rank's
+            ``worker_error`` in the bucket's layout, or zeros on a rank with none.
+        server: float32[N]: this rank's ``server_error`` at its chunk's place in the bucket's
+            global layout (zeros elsewhere). Chunks may come from another world size (an
+            elastic reset); each global element must be non-zero on at most one rank.
+        contributors: how many ranks contributed a worker error (>= 1).
+        transport: the collectives of the current world (P ranks).
+        name: a rank-independent collective prefix (``CollectiveNames.pool``).
+
+    Returns:
+        ``(worker_mean, server_sum)``, float32[N] each, bitwise the same on every rank: the sum
+        of the ``worker`` inputs over ranks divided by ``contributors``, and the sum of the
+        ``server`` inputs. Rank q sums chunk q (N/P elements) in float64 in rank order.
+
+    Collectives: one alltoall of 2N floats and one allgather of 2N/P floats per rank, both
+    uncounted in ``comm_stats()`` (checkpoint traffic, not training traffic).
+    """
+    p = transport.world_size
+    chunk = worker.numel() // p
+    sent = torch.stack([worker.view(p, chunk), server.view(p, chunk)], 1).reshape(-1)
+    if p > 1:
+        sent = transport.wait(transport.start("alltoall", sent, name + ".a", count=False))
+    parts = sent.view(p, 2, chunk).to(torch.float64)
+    worker_sum, server_sum = parts[0, 0].clone(), parts[0, 1].clone()
+    for q in range(1, p):  # a fixed order, so the file does not depend on the reduction kernel
+        worker_sum += parts[q, 0]
+        server_sum += parts[q, 1]
+    mine = torch.cat([(worker_sum / contributors).float(), server_sum.float()])
+    if p > 1:
+        mine = transport.wait(transport.start("allgather", mine, name + ".b", count=False))
+    both = mine.view(p, 2, chunk)
+    return both[:, 0].reshape(-1), both[:, 1].reshape(-1)
 
 
 def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: int, changed: bool) -> bool:

@@ -1,8 +1,10 @@
 """The optimizer's checkpoint contract: torch's ``state_dict``/``load_state_dict`` (including
-taking over an Adam checkpoint) and each rank's own state (the error buffers).
+taking over an Adam checkpoint) and each rank's own state (the error buffers), and the error feedback pooled over ranks
+that any world size can load.
 
 :class:`StateDictMixin` is a base of :class:`hvd_zoadam.optimizer.ZeroOneAdamOptimizer`;
-files are :mod:`hvd_zoadam.checkpoint`'s. No collectives here.
+files are :mod:`hvd_zoadam.checkpoint`'s. The one collective, in
+:meth:`StateDictMixin.error_feedback_state`, is :func:`hvd_zoadam.protocol.pool_error_feedback`'s.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import sys
 
 import torch
 
+from .layout import segment_offsets
 from .options import ADOPT_KEY, STATE_KEY, check_group
+from .protocol import pool_error_feedback
 
 
 class StateDictMixin:
@@ -47,6 +51,70 @@ class StateDictMixin:
             else:
                 b.exchange.zero_errors()
         return usable
+
+    def error_feedback_state(self) -> dict:
+        """The error feedback the job still owes, in a form any world size can load
+        (algorithm.md §6). **Collective**: call it on every rank at the same step
+        (:func:`hvd_zoadam.checkpoint.save` does).
+
+        Returns, the same on every rank, ``{"version": 1, "world_size": P, "names": {pid: name},
+        "worker_error": {pid: float32[numel]}, "server_error": {pid: float32[numel]}}`` on the
+        CPU, with ``pid`` the parameter ids of :meth:`state_dict`, for every trainable
+        parameter: the mean over ranks of ``worker_error``, and the server errors of all ranks
+        (each rank holds one chunk) in the parameter's own shape, flattened. The padding's
+        errors are left out: they never reach a parameter.
+        """
+        ids = {p: i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
+        state = {"version": 1, "world_size": self.world_size, "names": {}, "worker_error": {}, "server_error": {}}
+        for index, b in enumerate(self._buckets):
+            ex = b.exchange
+            server = torch.zeros(ex.padded_numel, device=ex.server_error.device)
+            lo = self.transport.rank * ex.chunk_numel
+            server[lo:lo + ex.chunk_numel] = ex.server_error
+            worker, server = pool_error_feedback(ex.worker_error, server, self.world_size, self.transport,
+                                                 self._collectives.pool(index))
+            offsets = segment_offsets(p.numel() for p in b.params)
+            for p, name, a, z in zip(b.params, b.names, offsets, offsets[1:]):
+                state["names"][ids[p]] = name
+                state["worker_error"][ids[p]] = worker[a:z].to("cpu", copy=True)
+                state["server_error"][ids[p]] = server[a:z].to("cpu", copy=True)
+        return state
+
+    def load_error_feedback(self, state: dict | None) -> bool:
+        """Load :meth:`error_feedback_state` (from any world size) into this rank's buffers:
+        ``worker_error`` becomes the saved mean, ``server_error`` this rank's chunk of the
+        saved global vector, so the amount the job owes is kept exactly (algorithm.md §6).
+        Parameters the state does not cover start at zero. Returns False (buffers zeroed) when
+        ``state`` is None. Collectives: none.
+
+        Raises:
+            ValueError: the state was saved for other parameters (a name or size differs).
+        """
+        for b in self._buckets:
+            b.exchange.zero_errors()
+        if state is None:
+            return False
+        ids = {p: i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
+        for b in self._buckets:
+            ex = b.exchange
+            worker = torch.zeros(ex.padded_numel, device=ex.worker_error.device)
+            server = torch.zeros_like(worker)
+            offsets = segment_offsets(p.numel() for p in b.params)
+            for p, name, a, z in zip(b.params, b.names, offsets, offsets[1:]):
+                pid = ids[p]
+                if pid not in state["worker_error"]:
+                    continue
+                saved_name, saved = state["names"].get(pid), state["worker_error"][pid]
+                if saved_name != name or saved.numel() != z - a:
+                    raise ValueError(f"the error feedback was saved for parameter {saved_name!r} of "
+                                     f"{saved.numel()} elements at position {pid}, but this optimizer has "
+                                     f"{name!r} of {z - a} elements there: load a checkpoint of this model")
+                worker[a:z] = saved.to(worker.device)
+                server[a:z] = state["server_error"][pid].to(worker.device)
+            lo = self.transport.rank * ex.chunk_numel
+            ex.worker_error.copy_(worker)
+            ex.server_error.copy_(server[lo:lo + ex.chunk_numel])
+        return True
 
     def __setstate__(self, state: dict) -> None:
         # torch.optim.Optimizer's; Adam's (next in the MRO of DistributedOptimizer's class) would

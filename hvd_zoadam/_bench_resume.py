@@ -1,0 +1,237 @@
+"""``python -m hvd_zoadam.bench resume``: what a resume keeps of the error feedback.
+
+A job of P thread-ranks in one process trains to step ``--save-at`` (past the freeze),
+saves with :func:`hvd_zoadam.checkpoint.save`, and runs on for ``--after`` steps: the
+uninterrupted run. Fresh jobs of P' ranks (``--to``) then load the checkpoint and run the
+same ``--after`` steps, in three ways:
+
+* ``rank-files``: each rank's own file (P' = P only): the exact resume;
+* ``pooled``: ``{prefix}.pt`` alone, with the pooled error feedback (the mean worker error
+  and every rank's server chunk, algorithm.md §6), what ``checkpoint.load`` does;
+* ``zeroed``: ``{prefix}.pt`` alone with the error buffers at zero (what a resume did
+  before the error feedback was pooled, and what DeepSpeed does on every load).
+
+The gain of a resumed run is its drop in validation loss over the ``--after`` steps,
+divided by the uninterrupted run's drop. Prints (and with ``--json`` writes) one JSON object.
+
+Cases (``--case``):
+
+* ``regression``: a linear regression over 107 features held in four tensors of 37, 5, 1
+  and 64 elements (so every world size pads), AdamW at a constant lr;
+* ``lm``: the main job, the char LM of examples/train_lm.py at ``--n-layer``/``--n-embd``
+  (see :class:`LMCase`), e.g. ``--case lm --save-at 150 --after 50``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from .transport import ThreadGroup
+
+SIZES = (37, 5, 1, 64)
+_INIT_LOCK = threading.Lock()  # thread-ranks share torch's global RNG: one model init at a time
+
+
+class Regression(torch.nn.Module):
+    """y = Σ_k x_k · w_k over four weight tensors of 37, 5, 1 and 64 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for n in SIZES)
+
+    def forward(self, x):
+        return x @ torch.cat(list(self.w))
+
+
+def _teacher() -> torch.Tensor:
+    return 0.1 * torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(7))
+
+
+def _regression_batch(step: int, rank: int, batch: int = 16):
+    gen = torch.Generator().manual_seed(100_003 * step + rank)
+    x = torch.randn(batch, sum(SIZES), generator=gen)
+    return x, x @ _teacher() + 0.3 * torch.randn(batch, generator=gen)
+
+
+class RegressionCase:
+    """The regression job: AdamW at a constant lr, per-rank batches, a fixed validation set."""
+
+    knobs = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    lr = 0.01
+
+    def __init__(self, args):
+        self.args = args
+        self.val = _regression_batch(-1, 0, batch=1024)
+
+    def build(self, transport, steps):
+        import hvd_zoadam
+        model = Regression()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=self.lr),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              **self.knobs)
+        return model, opt, None
+
+    def loss(self, model, step, rank):
+        x, y = _regression_batch(step, rank)
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    def val_loss(self, model) -> float:
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(model(self.val[0]), self.val[1]).item()
+
+
+class LMCase:
+    """The main job, examples/train_lm.py: its model, parameter groups, lr schedule (warm-up,
+    cosine over the whole run) and 0/1 Adam defaults; rank r's batch at step t is drawn
+    from a generator seeded by (t, r), so a resumed run sees the batches the uninterrupted
+    one would."""
+
+    def __init__(self, args, train_lm):
+        self.args, self.tl = args, train_lm
+        text = train_lm.load_corpus()
+        chars = sorted(set(text))
+        stoi = {c: i for i, c in enumerate(chars)}
+        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+        split = int(0.9 * len(data))
+        self.vocab, self.train, self.valid = len(chars), data[:split], data[split:]
+        a = args
+        self.knobs = dict(var_freeze_step=a.warmup, var_update_scaler=8, local_step_scaler=40, local_step_clipper=8,
+                          local_step_policy="lr", scale_block_numel=256)
+        self.lr = a.lr
+        gen = torch.Generator().manual_seed(12345)
+        self.val_batches = [train_lm.get_batch(self.valid, a.batch_size, a.block_size, gen)
+                            for _ in range(a.eval_batches)]
+
+    def build(self, transport, steps):
+        import hvd_zoadam
+        a = self.args
+        with _INIT_LOCK:
+            torch.manual_seed(a.seed)
+            model = self.tl.CharGPT(self.vocab, a.block_size, a.n_layer, a.n_embd, a.n_head)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        inner = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=a.lr, betas=(0.9, 0.98))
+        opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(), transport=transport,
+                                              **self.knobs)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, self.tl.lr_lambda(a.warmup, steps))
+
+    def loss(self, model, step, rank):
+        a = self.args
+        x, y = self.tl.get_batch(self.train, a.batch_size, a.block_size,
+                                 torch.Generator().manual_seed(1_000_003 * step + 1009 * a.seed + rank))
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    def val_loss(self, model) -> float:
+        with torch.no_grad():
+            losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                      for x, y in self.val_batches]
+        return sum(losses) / len(losses)
+
+
+def _threads(world_size: int, fn):
+    """``fn(rank, transport)`` on ``world_size`` thread-ranks; their results in rank order."""
+    group = ThreadGroup(world_size, timeout_s=600)
+    results, errors = [None] * world_size, []
+
+    def body(rank, transport):
+        try:
+            results[rank] = fn(rank, transport)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            group.abort()
+
+    threads = [threading.Thread(target=body, args=(r, t)) for r, t in enumerate(group.transports())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
+    """Train steps first..last (of a run of ``last`` steps) on ``world_size`` thread-ranks;
+    returns rank 0's validation loss at the end (``"end"``) and, with ``save=(prefix, s)``,
+    after the checkpoint it saves at step s (``"at_save"``)."""
+    from . import checkpoint
+
+    def body(rank, transport):
+        torch.set_num_threads(1)
+        model, opt, sched = case.build(transport, last)
+        if load is not None:
+            if mode == "rank-files":
+                extra = checkpoint.load(load, model, opt)
+            else:
+                ckpt = checkpoint.read(load + ".pt")
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["optimizer"])
+                opt.load_error_feedback(ckpt["error_feedback"] if mode == "pooled" else None)
+                extra = ckpt["extra"]
+            if sched is not None:
+                sched.load_state_dict(extra["scheduler"])
+        out = {}
+        for t in range(first, last + 1):
+            opt.zero_grad()
+            case.loss(model, t, rank).backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+            if save is not None and t == save[1]:
+                checkpoint.save(save[0], model, opt, scheduler=sched.state_dict() if sched else None)
+                out["at_save"] = case.val_loss(model)
+        out["end"] = case.val_loss(model)
+        return out
+    return _threads(world_size, body)[0]
+
+
+def run(args, train_lm=None) -> dict:
+    case = RegressionCase(args) if args.case == "regression" else LMCase(args, train_lm)
+    p, s, k = args.ranks, args.save_at, args.after
+    report = {"bench": "resume", "case": args.case, "ranks": p, "save_at": s, "after": k,
+              "knobs": case.knobs, "lr": case.lr, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "ckpt")
+        t0 = time.perf_counter()
+        full = _job(case, p, 1, s + k, save=(prefix, s))
+        base, gain = full["at_save"], full["at_save"] - full["end"]
+        report.update(val_at_save=base, uninterrupted=full["end"], uninterrupted_seconds=time.perf_counter() - t0)
+        print(f"uninterrupted P={p}: {base:.4f} -> {full['end']:.4f}", file=sys.stderr)
+        for q in args.to:
+            for mode in ("rank-files", "pooled", "zeroed"):
+                if mode == "rank-files" and q != p:
+                    continue
+                end = _job(case, q, s + 1, s + k, load=prefix, mode=mode)["end"]
+                row = {"world_size": q, "mode": mode, "val_loss": end, "gain": (base - end) / gain,
+                       "vs_uninterrupted": end / full["end"] - 1}
+                report["runs"].append(row)
+                print(f"resume P={q} {mode}: {end:.4f} gain {row['gain']:.3f} "
+                      f"({row['vs_uninterrupted']:+.3%} vs uninterrupted)", file=sys.stderr)
+    return report
+
+
+def add_parser(sub) -> None:
+    ap = sub.add_parser("resume", help="what a resume at another world size keeps of the error feedback")
+    ap.add_argument("--case", choices=("regression", "lm"), default="regression")
+    ap.add_argument("--ranks", type=int, default=4, help="world size of the saving job")
+    ap.add_argument("--save-at", type=int, default=12)
+    ap.add_argument("--after", type=int, default=6, help="steps run after the save")
+    ap.add_argument("--to", type=lambda s: [int(v) for v in s.split(",")], default=[4, 2, 3],
+                    help="world sizes that resume (comma-separated)")
+    ap.add_argument("--json", help="also write the report here")
+    lm = ap.add_argument_group("lm case")
+    lm.add_argument("--n-layer", type=int, default=2)
+    lm.add_argument("--n-embd", type=int, default=128)
+    lm.add_argument("--n-head", type=int, default=4)
+    lm.add_argument("--block-size", type=int, default=128)
+    lm.add_argument("--batch-size", type=int, default=16)
+    lm.add_argument("--lr", type=float, default=2e-3)
+    lm.add_argument("--warmup", type=int, default=60, help="LR warm-up steps, also the variance freeze")
+    lm.add_argument("--eval-batches", type=int, default=8)
+    lm.add_argument("--seed", type=int, default=1234)
