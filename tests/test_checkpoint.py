@@ -45,11 +45,13 @@ def test_same_world_size_resume_is_bitwise_exact(saved, tmp_path):
 
 def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
     """Rank 0's file alone resumes: from P=4 onto P=1, 2, 3 (a changed world size) and onto P=4 without
-    the per-rank files; the resumed ranks agree with each other."""
+    the per-rank files; the resumed ranks agree with each other, and each starts with the error
+    feedback pooled from the four saving ranks (the mean worker error, the server chunks re-cut)."""
     src = tmp_path / "src"
     src.mkdir()
     run_job("gloo", 4, ["tests/mp/worker_ckpt.py", str(src), "save", "9"])
     saved = load_ranks(src, 4)
+    owed = pooled_from_rank_files(src / "ckpt9", 4)
     only_common = tmp_path / "common"
     only_common.mkdir()
     (only_common / "ckpt9.pt").write_bytes((src / "ckpt9.pt").read_bytes())
@@ -63,6 +65,11 @@ def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
             assert r["loaded9"] == saved[0]["saved9"]  # step, phase, intervals, k, freeze lr, lr sums
             assert r["next_kind9"] == KINDS.kind(10).value
             assert all(torch.isfinite(p).all() for p in r["resumed9"])
+            for (worker, _, n), (mean, _) in zip(r["errors9"], owed):
+                assert torch.equal(worker[:n], mean) and not worker[n:].any()
+        for b, (mean, server) in enumerate(owed):
+            assert mean.abs().sum() > 0 and server.abs().sum() > 0
+            assert torch.equal(torch.cat([r["errors9"][b][1] for r in ranks])[:server.numel()], server)
             # the last step (22) is a SYNC step: identical on every rank
             assert all(torch.equal(a, b) for a, b in zip(r["resumed9"], ranks[0]["resumed9"]))
         if np_ == 4:
@@ -72,6 +79,27 @@ def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
             resumed, full = eval_loss(ranks[0]["resumed9"]), eval_loss(saved[0]["full"])
             assert resumed != full and abs(resumed - full) <= 0.03 * full
     assert KINDS.kind(22) is StepKind.SYNC
+
+
+def pooled_from_rank_files(prefix, world_size):
+    """[(mean worker error, server errors of all ranks)] of the one bucket of the MLP, from the
+    saving ranks' own files, checked against the error feedback that rank 0's file holds."""
+    states = [torch.load(f"{prefix}.rank{r}.pt", weights_only=False)["rank_state"] for r in range(world_size)]
+    assert all(len(st["buckets"]) == 1 for st in states)
+    common_file = torch.load(f"{prefix}.pt", weights_only=False)["error_feedback"]
+    workers = [st["buckets"][0]["worker_error"].double() for st in states]
+    total = workers[0].clone()
+    for w in workers[1:]:
+        total += w
+    n = sum(t.numel() for t in common_file["worker_error"].values())
+    mean = (total / world_size).float()[:n]
+    server = torch.cat([st["buckets"][0]["server_error"] for st in states])[:n]
+    ids = sorted(common_file["worker_error"])
+    assert torch.equal(torch.cat([common_file["worker_error"][i] for i in ids]), mean), \
+        "rank 0's file does not hold the mean worker error"
+    assert torch.equal(torch.cat([common_file["server_error"][i] for i in ids]), server), \
+        "rank 0's file does not hold every rank's server chunk"
+    return [(mean, server)]
 
 
 def eval_loss(params) -> float:

@@ -5,7 +5,9 @@ horovodrun --gloo --min-np 2 --max-np 3 with a host-discovery script that reads 
 of the job rewrites the file from ``localhost:2`` to ``localhost:3`` after step GROW_AT. The
 reset lands mid-window (after the freeze, between syncs). After it, every rank must report
 the same schedule, hold error buffers sized for P = 3, leave identical parameters and
-exp_avg after every sync, and the job must end (rc 0) within the timeout.
+exp_avg after every sync, and the job must end (rc 0) within the timeout. The error feedback
+the two first ranks owed is carried over to the three: every rank's worker error is their
+mean, and the new server chunks together are their server chunks.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 from collections import defaultdict
 
 from conftest import BIN, ROOT, run_cmd
+
+import torch
 
 from hvd_zoadam import padded_numel
 
@@ -34,7 +38,8 @@ def test_elastic_job_grows_from_two_to_three_ranks(tmp_path):
            sys.executable, str(ROOT / "tests/mp/worker_elastic.py"), str(out), str(hosts), str(STEPS), str(GROW_AT)]
     run_cmd(cmd, timeout_s=240)
 
-    runs = [json.loads(f.read_text()) for f in sorted(out.glob("pid*.json"))]
+    outputs = [json.loads(f.read_text()) for f in sorted(out.glob("pid*.json"))]
+    runs = [o["records"] for o in outputs]
     assert len(runs) == 3, "expected two first workers and one that joined"
     assert sorted(len(r) for r in runs)[-2:] == [STEPS, STEPS]   # the first two ran every step
     joined = min(runs, key=len)
@@ -70,3 +75,23 @@ def test_elastic_job_grows_from_two_to_three_ranks(tmp_path):
     for s in range(GROW_AT + 1):
         assert [r["world"] for r in by_step[s]] == [2, 2]
         assert by_step[s][0]["worker_error"] == [padded_numel(n, 2) for n in by_step[s][0]["numel"]]
+    check_error_feedback_carried_over(outputs, by_step, grown[0])
+
+
+def check_error_feedback_carried_over(outputs, by_step, first_grown):
+    """The pooled buffers after the reset against the two ranks' buffers after their last step."""
+    last_two = sorted(by_step[max(s for s in by_step if s < first_grown)], key=lambda r: r["rank"])
+    assert len(last_two) == 2
+    after = sorted((p for o in outputs for p in o["pooled"] if p["world"] == 3), key=lambda p: p["rank"])
+    assert [p["survivors"] for p in after] == [2, 2, 2]
+    starts = [p for o in outputs for p in o["pooled"] if p["world"] == 2]
+    assert starts and all(p["survivors"] == 0 for p in starts)  # the job's first sync: nothing owed yet
+    for b, n in enumerate(last_two[0]["numel"]):
+        old_w = torch.tensor([r["worker"][b] for r in last_two], dtype=torch.float64)
+        assert old_w.abs().sum() > 0  # past the freeze: there is error feedback to carry
+        mean = ((old_w[0] + old_w[1]) / 2).float()
+        for p in after:
+            assert torch.equal(torch.tensor(p["worker"][b]), mean), f"rank {p['rank']}: worker_error is not the mean"
+        old_s = torch.tensor(sum((r["server"][b] for r in last_two), []))[:n]
+        new_s = torch.tensor(sum((p["server"][b] for p in after), []))[:n]
+        assert torch.equal(new_s, old_s), "the server chunks were not re-cut from the old ones"

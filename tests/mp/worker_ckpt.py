@@ -58,6 +58,8 @@ def main():
             extra = checkpoint.load(os.path.join(src, f"ckpt{s}"), model, opt)
             sched.load_state_dict(extra["scheduler"])
             res[f"loaded{s}"] = opt.schedule_state()
+            res[f"errors{s}"] = [(b.exchange.worker_error.clone(), b.exchange.server_error.clone(), b.numel)
+                                 for b in opt._buckets]
             assert res[f"loaded{s}"]["step"] == extra["step"], "a load must restore the schedule, never reset it"
             # (parameters may differ per rank: a save mid-window keeps each rank's local steps)
             states = hvd.allgather_object(res[f"loaded{s}"])

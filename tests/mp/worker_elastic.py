@@ -4,7 +4,8 @@ argv: OUT_DIR HOSTS_FILE STEPS GROW_AT. Rank 0 writes ``localhost:3`` into HOSTS
 the host-discovery script) after step GROW_AT; while the world is still at 2 after that, every
 rank waits a little per step so the driver's notice arrives well before the end. Each process
 writes OUT_DIR/pid<pid>.json: one record per step it ran (world size, rank, kind, schedule
-state, lr, error-buffer sizes, digests of the parameters, exp_avg and exp_avg_sq).
+state, lr, error-buffer sizes and contents, digests of the parameters, exp_avg and exp_avg_sq)
+under "records", and under "pooled" what each ``pool_errors_after_reset`` left in the buffers.
 """
 from __future__ import annotations
 
@@ -42,7 +43,19 @@ def main():
         torch.optim.Adam(model.parameters(), lr=1e-2), named_parameters=model.named_parameters(),
         var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
-    records = []
+    records, pooled = [], []
+
+    def errors():
+        return {"worker": [b.exchange.worker_error[:b.numel].tolist() for b in opt._buckets],
+                "server": [b.exchange.server_error.tolist() for b in opt._buckets]}
+
+    pool = opt.pool_errors_after_reset
+
+    def pool_and_record():
+        survivors = pool()
+        pooled.append({"survivors": survivors, "world": hvd.size(), "rank": hvd.rank(), **errors()})
+        return survivors
+    opt.pool_errors_after_reset = pool_and_record
 
     @hvd.elastic.run
     def train(state):
@@ -63,7 +76,7 @@ def main():
                 "params": digest(model.parameters()),
                 "exp_avg": digest(opt.state[p]["exp_avg"] for p in model.parameters()),
                 "exp_avg_sq": digest(opt.state[p]["exp_avg_sq"] for p in model.parameters()),
-                "lr": opt.param_groups[0]["lr"],
+                "lr": opt.param_groups[0]["lr"], **errors(),
             })
             if step == grow_at and hvd.rank() == 0:
                 hosts_file.write_text("localhost:3\n")
@@ -73,7 +86,7 @@ def main():
             state.commit()
 
     train(state)
-    (out_dir / f"pid{os.getpid()}.json").write_text(json.dumps(records))
+    (out_dir / f"pid{os.getpid()}.json").write_text(json.dumps({"records": records, "pooled": pooled}))
 
 
 if __name__ == "__main__":

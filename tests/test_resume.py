@@ -1,0 +1,119 @@
+"""Resumes keep the error feedback: the pooled state of checkpoint files, and bad files refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_threads
+
+import hvd_zoadam
+from hvd_zoadam import _bench_resume, checkpoint
+from hvd_zoadam.bench import main as bench_main
+
+
+def _build(transport, sizes=(37, 5, 1, 64)):
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.full((n,), 0.1)) for n in sizes)
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), transport=transport,
+                                          named_parameters=model.named_parameters(), **_bench_resume.RegressionCase.knobs)
+    return model, opt
+
+
+def _train(model, opt, rank, steps):
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        x, y = _bench_resume._regression_batch(t, rank)
+        torch.nn.functional.mse_loss(x @ torch.cat(list(model)), y).backward()
+        opt.step()
+
+
+def test_pooled_state_holds_what_the_ranks_owe_and_loads_at_any_world_size():
+    """At P = 4, past the freeze: the pooled worker error is the mean of the four, the pooled server
+    errors are the four chunks in order; loaded at P' = 1, 2, 3, 5 each rank holds that mean and its
+    own chunk of the server errors, so the owed total is the same."""
+    def save(rank, transport):
+        model, opt = _build(transport)
+        _train(model, opt, rank, 12)
+        b = opt._buckets[0].exchange
+        return opt.error_feedback_state(), b.worker_error[:b.numel].clone(), b.server_error.clone(), b.numel
+
+    out = run_threads(4, save)
+    pooled, n = out[0][0], out[0][3]
+    assert all(o[0]["worker_error"].keys() == pooled["worker_error"].keys() for o in out)
+    flat = {k: torch.cat([pooled[k][i] for i in sorted(pooled[k])]) for k in ("worker_error", "server_error")}
+    for o in out[1:]:  # the same on every rank
+        assert all(torch.equal(o[0][k][i], pooled[k][i]) for k in ("worker_error", "server_error") for i in pooled[k])
+    total = out[0][1].double() + out[1][1].double() + out[2][1].double() + out[3][1].double()
+    assert flat["worker_error"].abs().sum() > 0
+    assert torch.equal(flat["worker_error"], (total / 4).float())
+    assert torch.equal(flat["server_error"], torch.cat([o[2] for o in out])[:n])
+    assert pooled["names"] == {0: "0", 1: "1", 2: "2", 3: "3"}
+
+    for world in (1, 2, 3, 5):
+        def load(rank, transport):
+            model, opt = _build(transport)
+            assert opt.load_error_feedback(pooled)
+            b = opt._buckets[0].exchange
+            return b.worker_error.clone(), b.server_error.clone()
+        got = run_threads(world, load)
+        for worker, _ in got:
+            assert torch.equal(worker[:n], flat["worker_error"]) and not worker[n:].any()
+        assert torch.equal(torch.cat([s for _, s in got])[:n], flat["server_error"])
+
+
+def test_error_feedback_of_other_parameters_is_refused():
+    def body(rank, transport):
+        model, opt = _build(transport)
+        state = opt.error_feedback_state()
+        _, other = _build(transport, sizes=(37, 6, 1, 64))
+        with pytest.raises(ValueError, match=r"saved for parameter '1' of 5 elements .* '1' of 6 elements"):
+            other.load_error_feedback(state)
+        assert not opt.load_error_feedback(None) and not opt._buckets[0].exchange.worker_error.any()
+    run_threads(1, body)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not-a-checkpoint", "other-model", "missing"])
+def test_a_bad_checkpoint_file_is_refused_naming_the_file(tmp_path, damage):
+    prefix = str(tmp_path / "ckpt")
+
+    def body(rank, transport):
+        model, opt = _build(transport)
+        _train(model, opt, rank, 3)
+        checkpoint.save(prefix, model, opt, step=3)
+        path = tmp_path / "ckpt.rank0.pt"
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[:200])
+        elif damage == "garbage":
+            path.write_bytes(b"\x00not a zip" * 50)
+        elif damage == "not-a-checkpoint":
+            torch.save({"weights": torch.ones(3)}, path)
+        elif damage == "missing":
+            path.unlink()
+            (tmp_path / "ckpt.pt").unlink()
+        if damage == "other-model":
+            model, opt = _build(transport, sizes=(37, 5, 2, 64))
+        else:
+            model, opt = _build(transport)
+        with pytest.raises(checkpoint.CheckpointError) as info:
+            checkpoint.load(prefix, model, opt)
+        return str(info.value)
+
+    message = run_threads(1, body)[0]
+    assert "ckpt" in message
+    expect = {"truncated": "cannot be read", "garbage": "cannot be read", "not-a-checkpoint": "not an hvd_zoadam",
+              "other-model": "does not fit this model", "missing": "does not exist"}[damage]
+    assert expect in message, message
+
+
+def test_bench_resume_keeps_the_progress_that_zeroed_buffers_lose(tmp_path, capsys):
+    """The regression case of ``bench resume`` (saved at P = 4, step 12; 6 more steps): the exact
+    resume is bitwise (gain 1), the pooled error feedback keeps >= 0.9 of the progress at P' = 4 and 3,
+    and the zeroed buffers keep less."""
+    out = tmp_path / "r.json"
+    assert bench_main(["resume", "--to", "4,3", "--json", str(out)]) == 0
+    import json
+    report = json.loads(out.read_text())
+    rows = {(r["world_size"], r["mode"]): r for r in report["runs"]}
+    assert rows[(4, "rank-files")]["val_loss"] == report["uninterrupted"]
+    for p in (4, 3):
+        assert rows[(p, "pooled")]["gain"] >= 0.9
+        assert rows[(p, "zeroed")]["gain"] < rows[(p, "pooled")]["gain"]
