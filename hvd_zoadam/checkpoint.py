@@ -7,8 +7,8 @@ Two kinds of files, both written atomically (a temporary file in the same folder
   and the caller's extras. Any world size can resume from it.
 * ``{prefix}.rank{r}.pt``, written by every rank: this rank's model and optimizer state
   (inside a local-step window they differ per rank) and its error buffers
-  (:meth:`ZeroOneAdamOptimizer.rank_state_dict`). A resume with the same world size
-  reads these and is bitwise identical to an uninterrupted run.
+  (:meth:`ZeroOneAdamOptimizer.rank_state_dict`). A resume with the same world size, when
+  every rank finds its file, reads these and is bitwise identical to an uninterrupted run.
 
 ``{prefix}.pt`` also holds the error feedback pooled over ranks
 (:meth:`ZeroOneAdamOptimizer.error_feedback_state`): the mean of the worker errors and
@@ -90,23 +90,32 @@ def read(path: str) -> dict:
 def load(prefix: str, model: torch.nn.Module, optimizer) -> dict:
     """Restore from :func:`save`'s files; returns the ``extra`` dict.
 
-    Uses this rank's own file when it exists and was written with the same world size
-    (exact resume); otherwise ``{prefix}.pt``, with the pooled error feedback. Collectives:
-    none.
+    When every rank has its own file from the same world size, each reads it (exact
+    resume); otherwise every rank reads ``{prefix}.pt``, with the pooled error feedback (a
+    save that a dead rank never finished thus still loads, consistently on all ranks).
+    **Collective**: call it on every rank (one small allgather decides which files to read).
 
     Raises:
         CheckpointError: a file is unreadable or was written for another model or optimizer
-            (the message names the file and the mismatch).
+            (the message names the file and the mismatch). A bad per-rank file raises on
+            every rank, naming the rank.
     """
     own = rank_path(prefix, optimizer.transport.rank)
-    ckpt, path = None, own
+    ckpt, path, problem = None, own, None
     if os.path.exists(own):
-        ckpt = read(own)
-        if ckpt.get("rank_state", {}).get("world_size") != optimizer.world_size:
+        try:
+            ckpt = read(own)
+        except CheckpointError as exc:
+            problem = str(exc)
+        if ckpt is not None and ckpt.get("rank_state", {}).get("world_size") != optimizer.world_size:
             ckpt = None
-    if ckpt is None:
-        path = f"{prefix}.pt"
-        ckpt = read(path)
+    found = optimizer.transport.allgather_object((ckpt is not None, problem),
+                                                 f"zoadam.checkpoint.{os.path.basename(prefix)}")
+    problems = [f"rank {r}: {msg}" for r, (_, msg) in enumerate(found) if msg]
+    if problems:  # every rank raises, not only the one whose file is bad
+        raise CheckpointError("; ".join(problems))
+    if not all(ok for ok, _ in found):
+        path, ckpt = f"{prefix}.pt", read(f"{prefix}.pt")
     try:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])

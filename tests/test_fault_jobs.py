@@ -1,0 +1,59 @@
+"""Real jobs where a rank dies inside an exchange or inside a checkpoint save: the survivors end
+within the bound, every checkpoint on disk loads, and a restart finishes (bitwise from a complete
+checkpoint at the same world size)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import load_ranks, run_job
+
+BOUND_S = 100  # HVD_ZOADAM_TIMEOUT_S=10 plus launch, JIT and teardown on a loaded 2-core machine
+
+
+def _assert_ended_naming_the_failure(proc, launcher, elapsed):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "TRAINING FINISHED" not in out
+    assert elapsed < BOUND_S
+    assert "rank 2: killed" in out
+    if launcher == "gloo":
+        # a survivor names the failed collective, or horovodrun, seeing rank 2 die, ends the job first
+        assert ("hvd_zoadam: the " in out and "failed on rank" in out) \
+            or "Terminating remaining workers after failure of Process 2" in out, out[-3000:]
+    else:
+        assert "signal 9" in out or "Killed" in out or "failed on rank" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+@pytest.mark.parametrize("mode", ["kill-compressed", "kill-sync"])
+def test_a_rank_killed_inside_the_exchange_ends_the_job(launcher, mode):
+    start = time.monotonic()
+    proc = run_job(launcher, 3, ["tests/mp/worker_fault.py", mode], timeout_s=150, check=False,
+                   env={"HVD_ZOADAM_TIMEOUT_S": "10"})
+    _assert_ended_naming_the_failure(proc, launcher, time.monotonic() - start)
+    step = {"kill-compressed": "compressed exchange at step 3", "kill-sync": "sync exchange at step 4"}[mode]
+    assert step in proc.stdout + proc.stderr
+
+
+def test_a_rank_killed_inside_checkpoint_save_leaves_loadable_checkpoints(tmp_path):
+    """Rank 2 dies writing its file of the step-4 checkpoint. ckpt2 is complete: a restart from it
+    is bitwise the uninterrupted run. ckpt4 lacks rank 2's file: it loads from rank 0's file on all
+    three ranks alike and the restart finishes. Under mpirun (the mpi4py transport), whose
+    full-precision average does not depend on Horovod's timing-dependent tensor fusion."""
+    prefix = str(tmp_path / "ckpt")
+    start = time.monotonic()
+    proc = run_job("mpi", 3, ["tests/mp/worker_fault.py", "kill-save", prefix], timeout_s=150, check=False,
+                   env={"HVD_ZOADAM_TIMEOUT_S": "10"})
+    _assert_ended_naming_the_failure(proc, "mpi", time.monotonic() - start)
+    assert not (tmp_path / "ckpt4.rank2.pt").exists() and (tmp_path / "ckpt4.pt").exists()
+    runs = {}
+    for name, argv in (("clean", ["clean"]), ("from2", ["resume", prefix + "2"]), ("from4", ["resume", prefix + "4"])):
+        out = tmp_path / name
+        out.mkdir()
+        run_job("mpi", 3, ["tests/mp/worker_fault.py", *argv, str(out)], timeout_s=150)
+        runs[name] = load_ranks(out, 3)
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(runs["from2"][r], runs["clean"][r])), f"rank {r}"
+        assert all(torch.isfinite(p).all() for p in runs["from4"][r])
