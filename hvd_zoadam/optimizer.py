@@ -271,6 +271,7 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         if bi not in pre:
             pre[bi] = self.algorithm.compressed_pre(self._engine, b, step, self._counters)
         self.algorithm.fill_compressed(self._engine, b, b.exchange.input, pre[bi])
+        b.exchange.step = step
         return b.exchange.start_scales(b.exchange.input)
 
     # -- per-step helpers --------------------------------------------------------------------
@@ -372,6 +373,8 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
             self.on_reset()
             self._passes.update(passes)
         step, kind = self._next_kind()
+        for b in self._buckets:
+            b.exchange.step = step  # announced in round 1: ranks at different steps fail fast
         how = self.algorithm.gradient_exchange(kind)
         armed = how is not None and self._can_overlap()  # the same on every rank
         self._engine.check_params_unchanged()

@@ -16,7 +16,9 @@ C(y) per bucket (one or more tensors laid out as segments of one flat buffer):
    ``z - scale*sign`` written over ``y`` when ``y`` is the exchange's own input buffer
    (else into a second buffer), not yet over ``worker_error`` (one pass over memory with
    per-block scales: :func:`hvd_zoadam.native.worker_compress`);
-2. round 1, allgather of the scales (float32[nseg] per rank). A non-finite scale
+2. round 1, allgather of the scales (float32[nseg] per rank) and of the step number the
+   rank is at (4 bytes). Ranks at different steps (``step()`` called on only some of them)
+   raise :class:`StepMismatchError` together, naming both steps. A non-finite scale
    on any rank means a non-finite input somewhere: every rank sees it and skips
    the exchange together, leaving both error buffers untouched (algorithm.md §5);
 3. otherwise the new error becomes ``worker_error`` (the two buffers swap roles);
@@ -84,6 +86,10 @@ class CollectiveNames:
         return CollectiveNames(hashlib.sha1(repr((layout, world_size)).encode()).hexdigest()[:10])
 
 
+class StepMismatchError(RuntimeError):
+    """The ranks reached one exchange at different optimizer steps; all ranks raise it together."""
+
+
 class NonFiniteError(FloatingPointError):
     """A compressed allreduce met a NaN or Inf input on some rank; all ranks raise it together."""
 
@@ -103,6 +109,8 @@ class Exchange:
     Attributes:
         worker_error: float32[padded_numel], e_w.
         server_error: float32[padded_numel // P], e_s.
+        step: the optimizer step the next round 1 announces (the owner sets it; the ranks must
+            agree on it, see :meth:`wait_scales`).
 
     The input ``y`` of :meth:`prepare` is float32[padded_numel] with the padding at 0.
     When it is :attr:`input` (P > 1), the worker side writes the new error over it and, once
@@ -134,7 +142,10 @@ class Exchange:
         self.input = torch.zeros(self.padded_numel, device=device) if p > 1 else None
         self._next = None       # the new worker error when y is not self.input (made on first use)
         self._staged = None     # where the current exchange put the new worker error
-        self._scales = torch.zeros(self.nseg, dtype=torch.float32, device=device)
+        self.step = 0
+        # Round 1 message: [worker scales | the step as int32 bits]
+        self._scales_msg = torch.zeros(self.nseg + 1, dtype=torch.float32, device=device)
+        self._scales = self._scales_msg[:self.nseg]
         self._packed = torch.zeros(self.padded_numel // 8, dtype=torch.uint8, device=device)
         nbytes = self.chunk_numel // 8
         # Round 3 message: [server scales as bytes | packed chunk], scales first for alignment.
@@ -193,11 +204,25 @@ class Exchange:
             staged = self._next
         native.worker_compress(y, self.worker_error, self.plan, self._scales, self._packed, error_out=staged)
         self._staged = staged
-        return self.transport.start("allgather", self._scales, f"{self.name}.scales")
+        self._scales_msg[self.nseg:].view(torch.int32).fill_(self.step)
+        return self.transport.start("allgather", self._scales_msg, f"{self.name}.scales")
 
     def wait_scales(self, handle):
-        """float32[P, nseg] of every rank's scales, or None when one is non-finite."""
-        all_scales = self.transport.wait(handle).view(self.transport.world_size, self.nseg)
+        """float32[P, nseg] of every rank's scales, or None when one is non-finite.
+
+        Raises:
+            StepMismatchError: on every rank, when the ranks announced different steps.
+        """
+        msg = self.transport.wait(handle).view(self.transport.world_size, self.nseg + 1)
+        steps = msg[:, self.nseg:].contiguous().view(torch.int32).view(-1).tolist()
+        if len(set(steps)) > 1:
+            first = next(r for r, st in enumerate(steps) if st != steps[0])
+            raise StepMismatchError(
+                f"hvd_zoadam: the exchange '{self.name}' met ranks at different optimizer steps: rank 0 is at "
+                f"step {steps[0]}, rank {first} at step {steps[first]} (steps by rank: {steps}). Every rank must "
+                "call step() (or skip_synchronize()/synchronize() alike) at every iteration; restart from the "
+                "last checkpoint")
+        all_scales = msg[:, :self.nseg].contiguous()
         return all_scales if bool(torch.isfinite(all_scales).all()) else None
 
     def start_signs(self, all_worker_scales: torch.Tensor):

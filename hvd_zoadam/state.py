@@ -122,7 +122,8 @@ class StateDictMixin:
         torch.optim.Optimizer.__setstate__(self, state)
 
     def state_dict(self) -> dict:
-        """torch's ``state_dict``. Called by ``hvd.broadcast_optimizer_state`` before the first
+        """torch's ``state_dict`` (the schedule counters copied, so a kept state dict does not
+        move with later steps; the tensors are references, as torch's). Called by ``hvd.broadcast_optimizer_state`` before the first
         step, it first gives every trainable parameter without a gradient a zero gradient, as
         Horovod's function does for a fresh optimizer before its dummy ``step()`` (which
         hvd_zoadam, whose state exists from construction, never needs)."""
@@ -131,7 +132,11 @@ class StateDictMixin:
                 for p in group["params"]:
                     if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)
-        return super().state_dict()
+        state = super().state_dict()
+        for group in state["param_groups"]:  # the counters as they are now, not a live view of them
+            if STATE_KEY in group:
+                group[STATE_KEY] = dict(group[STATE_KEY])
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat

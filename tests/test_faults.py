@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import warnings
@@ -223,3 +224,62 @@ def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step(scal
         # round 1 of every bucket of a COMPRESSED step started inside backward(); nothing without overlap
         assert hvd_pattern[r][6] == [nb if k is StepKind.COMPRESSED else 0 for k in kinds]
         assert plain[r][6] == [0] * 5
+
+
+
+def _fault_opt(transport):
+    model = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
+                                          named_parameters=model.named_parameters(), var_freeze_step=3,
+                                          var_update_scaler=1, local_step_scaler=1000, local_step_clipper=1)
+    return model, opt
+
+
+def test_ranks_at_different_steps_fail_on_every_rank_naming_both_steps():
+    """Rank 0 resumes from its state after step 4, rank 1 from its state after step 5 (each loaded
+    "its latest" file): at the next exchange both raise StepMismatchError at once, not at a timeout."""
+    from hvd_zoadam.protocol import StepMismatchError
+
+    def body(rank, transport):
+        model, opt = _fault_opt(transport)
+        saved = {}
+        for t in range(1, 6):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            opt.step()
+            saved[t] = opt.state_dict()
+        model, opt = _fault_opt(transport)
+        opt.load_state_dict(saved[4 + rank])
+        opt.zero_grad()
+        common.loss_fn(model, 6, rank).backward()
+        with pytest.raises(StepMismatchError) as info:
+            opt.step()
+        return str(info.value)
+
+    start = time.monotonic()
+    messages = run_threads(2, body, timeout_s=30)
+    assert time.monotonic() - start < 20
+    for m in messages:
+        assert "rank 0 is at step 5, rank 1 at step 6" in m and "call step()" in m
+
+
+def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
+    """Rank 1 skips one whole iteration: the counters still agree step by step, so the ranks pair
+    up until rank 0's last step, whose exchange ends within the timeout, naming its collective."""
+    from hvd_zoadam.transport import CollectiveTimeoutError
+
+    def body(rank, transport):
+        model, opt = _fault_opt(transport)
+        for t in range(1, 9):
+            if t == 5 and rank == 1:
+                continue
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            opt.step()
+        return opt.schedule_state()["step"]
+
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"the allgather 'zoadam\.[0-9a-f]+\.b0\.scales' did not "
+                                                     r"complete within 5 s"):
+        run_threads(2, body, timeout_s=5)
+    assert time.monotonic() - start < 15

@@ -128,7 +128,7 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
         return
     big_n = padded_numel(n, p)
     nseg = 4
-    per_exchange = 4 * nseg * (p - 1) + (p - 1) / p * big_n / 8 + (p - 1) * (4 * nseg + big_n // p // 8)
+    per_exchange = 4 * (nseg + 1) * (p - 1) + (p - 1) / p * big_n / 8 + (p - 1) * (4 * nseg + big_n // p // 8)
     # overlap (the default): from step 2 on, each VARIANCE and COMPRESSED step also allreduces a
     # float32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed)
     flags = stats["variance"]["steps"] - 1

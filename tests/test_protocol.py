@@ -157,7 +157,7 @@ def test_payload_is_one_bit_per_padded_element_plus_scales():
                                                                torch.zeros(padded_numel(n, p) // p), transport=t),
                                           dict(t.counter.bytes_sent), dict(t.counter.rounds))[1:])
     big = padded_numel(n, p)
-    want = (p - 1) * 4 + (p - 1) / p * big / 8 + (p - 1) * (4 + big // p // 8)
+    want = (p - 1) * (4 + 4) + (p - 1) / p * big / 8 + (p - 1) * (4 + big // p // 8)  # scale + step, signs, server
     for sent, rounds in counts:
         assert sum(sent.values()) == pytest.approx(want) and sum(rounds.values()) == 3
 
