@@ -39,6 +39,7 @@ class Bucket:
     master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
     mask: torch.Tensor | None = None    # uint8[n] momentum mask (exp_avg_mask), 0 = never moves
     views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
+    kinds: list = field(default_factory=list)  # (dtype, device) of each param when laid out
 
     @property
     def numel(self) -> int:
@@ -131,7 +132,8 @@ class Engine:
         exchange = self._new_exchange(len(self.buckets), params)
         n = exchange.numel
         bucket = Bucket(group_index, params, [self.names[p] for p in params], exchange,
-                        torch.zeros(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev))
+                        torch.zeros(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev),
+                        kinds=[(p.dtype, p.device) for p in params])
         if params[0].dtype != torch.float32:
             bucket.master = torch.cat([p.detach().reshape(-1).float() for p in params])
         keys = ["exp_avg", "exp_avg_sq", "anchor"]
@@ -158,14 +160,27 @@ class Engine:
             if self.scratch["g"].numel() < b.exchange.padded_numel:
                 self.scratch["g"] = torch.zeros(b.exchange.padded_numel, device=self.device)
 
+    @property
+    def _kinds(self) -> list:
+        """(dtype, device) of every laid-out parameter, as it was when its bucket was made."""
+        return [k for b in self.buckets for k in b.kinds]
+
     def check_params_unchanged(self) -> None:
         """The buffers were laid out for the parameters at construction: refuse to go on when a
-        parameter was replaced in param_groups or resized in place (ValueError)."""
+        parameter was replaced in param_groups, resized in place, or cast or moved to another
+        dtype or device (ValueError naming it)."""
         current = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
         laid_out = [p for b in self.buckets for p in b.params]
         if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
-                and all(p.numel() == v.numel() for b in self.buckets for p, v in zip(b.params, b.views["exp_avg"])):
+                and all(p.numel() == v.numel() for b in self.buckets for p, v in zip(b.params, b.views["exp_avg"])) \
+                and all((p.dtype, p.device) == kind for p, kind in zip(laid_out, self._kinds)):
             return
+        for p, (dtype, device), name in zip(laid_out, self._kinds, (n for b in self.buckets for n in b.names)):
+            if (p.dtype, p.device) != (dtype, device):
+                raise ValueError(f"parameter {name!r} changed from {dtype} on {device} to {p.dtype} on {p.device} "
+                                 "after the optimizer was built (so would its gradient); the buffers and the "
+                                 "exchange no longer fit. Move or cast the model first, then build "
+                                 "hvd_zoadam.DistributedOptimizer.")
         for b in self.buckets:
             for p, v, name in zip(b.params, b.views["exp_avg"], b.names):
                 if p.numel() != v.numel():

@@ -283,3 +283,33 @@ def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
                                                      r"complete within 5 s"):
         run_threads(2, body, timeout_s=5)
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_parameter_cast_or_resized_between_steps_is_refused_by_name_on_every_rank(change):
+    """The model is cast to float64 (its gradients follow) or a weight resized, on every rank,
+    after three steps: step 4 raises ValueError naming the parameter on both ranks, before any
+    collective (so no rank hangs)."""
+    def body(rank, transport):
+        model, opt = _fault_opt(transport)
+        for t in range(1, 4):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            opt.step()
+        if change == "dtype":
+            model.double()
+        else:
+            model[0].weight.data = torch.zeros(17, 6)
+        opt.zero_grad()
+        if change == "dtype":
+            x, y = common.batch(4, rank)
+            torch.nn.functional.mse_loss(model(x.double()), y.double()).backward()
+        with pytest.raises(ValueError) as info:
+            opt.step()
+        return str(info.value)
+
+    for m in run_threads(2, body, timeout_s=30):
+        if change == "dtype":
+            assert "parameter '0.weight' changed from torch.float32 on cpu to torch.float64 on cpu" in m
+        else:
+            assert "'0.weight' changed shape from (16, 6) to (17, 6)" in m
