@@ -1,16 +1,17 @@
-"""hvd_zoadam: 0/1 Adam (Lu et al., arXiv 2202.06009) as a drop-in Horovod DistributedOptimizer.
+"""hvd_zoadam: 0/1 Adam (Lu et al., arXiv 2202.06009) and 1-bit Adam (Tang et al., arXiv
+2102.02888) as drop-in Horovod DistributedOptimizers.
 
-Public names: :func:`DistributedOptimizer`, :func:`compressed_allreduce`,
+Public names: :func:`DistributedOptimizer`, :func:`OnebitAdam`, :func:`compressed_allreduce`,
 :func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`, and the
 module :mod:`hvd_zoadam.checkpoint` (``save``, ``load``).
 """
 from . import checkpoint  # noqa: F401  (hvd_zoadam.checkpoint.save after import hvd_zoadam)
 from .layout import padded_numel
-from .optimizer import DistributedOptimizer, ZeroOneAdamOptimizer
-from .protocol import NonFiniteError, compressed_allreduce
+from .optimizer import DistributedOptimizer, OnebitAdam, ZeroOneAdamOptimizer
+from .protocol import NonFiniteError, StepMismatchError, compressed_allreduce
 from .schedule import Schedule, StepKind
 from .transport import CollectiveTimeoutError
 
 __version__ = "0.1.0"
-__all__ = ["DistributedOptimizer", "ZeroOneAdamOptimizer", "compressed_allreduce", "padded_numel",
+__all__ = ["DistributedOptimizer", "OnebitAdam", "ZeroOneAdamOptimizer", "StepMismatchError", "compressed_allreduce", "padded_numel",
            "Schedule", "StepKind", "NonFiniteError", "CollectiveTimeoutError", "__version__"]

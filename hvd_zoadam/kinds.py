@@ -112,6 +112,20 @@ def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
     param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
 
 
+def local_momentum(param, grad, exp_avg, h: Hyper, out) -> None:
+    """1-bit Adam's exchange input (algorithm.md §9): out <- β1·m + (1−β1)·g, computed as
+    ``m.lerp(g, 1 − β1)`` (Adam's own op); g gets Adam's L2 term λ·x first. ``out`` must not
+    alias ``grad`` or ``exp_avg``; m is not changed."""
+    torch.lerp(exp_avg, _l2(grad, param, h), 1 - h.beta1, out=out)
+
+
+def frozen_adam_step(param, exp_avg, denom, h: Hyper) -> None:
+    """1-bit Adam after the freeze, from the exchanged m: x ← x·(1 − γλ) (AdamW only), then
+    x ← x − γ·m̂/s with s from the frozen v."""
+    _decay(param, h)
+    param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
+
+
 def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned: bool = True) -> None:
     """SYNC steps 2–3: the window's update into ``out``, with the window's decay replayed on the anchor
     (``anchor`` itself is left as it is).

@@ -20,6 +20,7 @@ import torch
 
 from . import native
 from .algorithms import StepContext
+from .algorithms.onebit import OnebitAdam as _OnebitAdam
 from .algorithms.zeroone import ZeroOneAdam
 from .elastic import register_state_handler
 from .engine import Engine
@@ -79,13 +80,15 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
                  compression, backward_passes_per_step: int, gradient_predivide_factor: float,
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
                  scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
-                 precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True):
+                 precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True,
+                 algorithm: str = "zoadam"):
         self._ready = False
         # Not super(): built by DistributedOptimizer, this class sits before the wrapped
         # torch.optim.Adam/AdamW in the MRO, and their __init__ must not run (as in Horovod).
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, dict(optimizer.defaults))
         self.schedule = schedule
-        self.algorithm = ZeroOneAdam(schedule, precondition_compression)
+        self.algorithm = ZeroOneAdam(schedule, precondition_compression) if algorithm == "zoadam" \
+            else _OnebitAdam(schedule.var_freeze_step)
         self.transport = transport
         self.world_size = transport.world_size
         self.compression = compression
@@ -227,7 +230,7 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         bucket_of = self._engine.bucket_of
         if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
             self._overlap.param_ready(bucket_of[p], [len(b.params) for b in self._buckets],
-                                      self._next_kind, self._launch)
+                                      self._next_early_kind, self._launch)
 
     def _reset_passes(self) -> None:
         """Forget this step's backward passes; drain an exchange the hooks started (it was started
@@ -283,6 +286,12 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         c = self._counters
         step = c["step"] + 1
         return step, self.algorithm.kind(step, float(self.param_groups[0]["lr"]), c["freeze_lr"])
+
+    def _next_early_kind(self) -> tuple:
+        """(step, kind) of the coming step for the hooks; kind None when the algorithm's step
+        exchanges what it needs itself (nothing to start early)."""
+        step, kind = self._next_kind()
+        return step, kind if self.algorithm.gradient_exchange(kind) is not None else None
 
     def _check_layout(self) -> None:
         """algorithm.md §5: settings and parameter layout compared across ranks (raises on every rank)."""
@@ -647,9 +656,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
                          bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
                          exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
-                         step_log=None, overlap=True):
-    """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam optimizer that communicates
-    through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
+                         step_log=None, overlap=True, algorithm="zoadam"):
+    """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam (or 1-bit Adam) optimizer that
+    communicates through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
+
+    ``algorithm``: ``"zoadam"`` (0/1 Adam, the default) or ``"onebit"`` (1-bit Adam, Tang et
+    al. 2021, algorithm.md §9: full-precision Adam up to step ``var_freeze_step``, then the
+    1-bit exchange of the momentum at every step with v frozen; :func:`OnebitAdam` says it
+    with DeepSpeed's name ``freeze_step``). Under ``"onebit"`` the 0/1 Adam knobs
+    ``var_update_scaler``, ``local_step_*`` and ``precondition_compression`` must keep their
+    defaults (ValueError otherwise).
 
     Horovod's arguments keep Horovod's meaning:
 
@@ -739,6 +755,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
         groups=groups, sparse_as_dense=sparse_as_dense, bias_correction=bias_correction,
         local_step_policy=local_step_policy, scale_block_numel=scale_block_numel, bucket_cap_mb=bucket_cap_mb)
+    if algorithm not in ("zoadam", "onebit"):
+        raise ValueError(f"algorithm must be 'zoadam' (0/1 Adam) or 'onebit' (1-bit Adam), got {algorithm!r}")
+    if algorithm == "onebit":
+        zoadam_only = dict(var_update_scaler=(var_update_scaler, 16), local_step_scaler=(local_step_scaler, 32768),
+                           local_step_clipper=(local_step_clipper, 16), local_step_policy=(local_step_policy, "steps"),
+                           precondition_compression=(precondition_compression, True))
+        for name, (value, default) in zoadam_only.items():
+            if value != default:
+                raise ValueError(f"{name}={value!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
+                                 "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
+        var_update_scaler = 1  # every warm-up step updates v
     schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
                         local_step_policy)
     # Every argument is checked before Horovod is asked anything (initialised? in the process set?).
@@ -754,4 +781,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
         bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
         scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask),
-        precondition_compression=bool(precondition_compression), step_log=step_log, overlap=bool(overlap))
+        precondition_compression=bool(precondition_compression), step_log=step_log, overlap=bool(overlap),
+        algorithm=algorithm)
+
+
+def OnebitAdam(optimizer, named_parameters=None, *, freeze_step, **kwargs):
+    """1-bit Adam (Tang et al., arXiv 2102.02888) over Horovod: ``DistributedOptimizer(optimizer,
+    named_parameters, algorithm="onebit", var_freeze_step=freeze_step, **kwargs)``.
+
+    ``freeze_step`` (DeepSpeed's name): the last full-precision Adam step; from
+    ``freeze_step + 1`` on, v is frozen and the momentum goes through the 1-bit exchange at
+    every step. The paper advises 15–25 % of training. Everything else (Horovod's
+    arguments, ``transport``, ``bucket_cap_mb``, ``scale_block_numel``, masks, checkpoints,
+    elastic) is as for :func:`DistributedOptimizer`.
+    """
+    return DistributedOptimizer(optimizer, named_parameters, algorithm="onebit", var_freeze_step=freeze_step,
+                                **kwargs)

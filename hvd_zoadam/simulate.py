@@ -217,3 +217,63 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             anchor = xs[0].clone()
             lr_sum, decay = 0.0, 1.0
     return [[x.view_as(p).clone() for x, p in zip(xr.split(numels), params)] for xr in xs], kinds
+
+
+def simulate_onebit(params, exp_avg, exp_avg_sq, grad_fn, *, world_size, first_step, steps, exp_avg_sq_steps,
+                    lr_fn, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True,
+                    scale_block_numel=2048, worker_errors=None, server_errors=None):
+    """1-bit Adam's compressed steps (algorithm.md §9) on P simulated workers, one bucket of
+    all ``params``, from a state after the freeze (the oracle of the optimizer's
+    ``algorithm="onebit"``): at each step t every rank's momentum
+    m_r = m.lerp(g_r + L2, 1 − β1) goes through C(.), m ← the result (masked where v is 0, as
+    ``auto_exp_avg_mask``), and x ← x·(1 − γλ) (AdamW) − γ/(1 − β1^t)·m/s with the frozen v.
+
+    Args:
+        params, exp_avg, exp_avg_sq: the common x (list of tensors), m and v (float32[n] in
+            bucket order) at the start of step ``first_step``.
+        grad_fn: ``grad_fn(step, rank, xs) -> list of tensors``.
+        steps: the last step run. exp_avg_sq_steps: k, the VARIANCE steps before the freeze.
+        worker_errors, server_errors: the P error buffers to start from (default zeros; the
+            optimizer zeroes them at ``freeze_step + 1``); updated in place.
+
+    Returns:
+        (x float32[n], m float32[n], worker_errors, server_errors), the same on every rank.
+    """
+    beta1, beta2 = betas
+    numels = [p.numel() for p in params]
+    segments = scale_segments(numels, scale_block_numel)
+    n = sum(numels)
+    big_n = padded_numel(n, world_size)
+    x = torch.cat([p.reshape(-1).float() for p in params])
+    m, v = exp_avg.clone(), exp_avg_sq.clone()
+    we = worker_errors if worker_errors is not None else [torch.zeros(big_n) for _ in range(world_size)]
+    se = server_errors if server_errors is not None else [torch.zeros(big_n // world_size) for _ in range(world_size)]
+    bc2 = 1 - beta2 ** max(exp_avg_sq_steps, 1) if bias_correction else 1.0
+    denom = (v.sqrt() / bc2 ** 0.5).add_(eps)
+    mask = v.ne(0) if bool(v.eq(0).any()) else None
+    for t in range(first_step, steps + 1):
+        lr = lr_fn(t)
+        views = [c.view_as(p) for c, p in zip(x.split(numels), params)]
+        inputs = []
+        for r in range(world_size):
+            g = torch.cat([q.reshape(-1).float() for q in grad_fn(t, r, views)])
+            if weight_decay and not decoupled:
+                g = g.add(x, alpha=weight_decay)
+            inputs.append(torch.lerp(m, g, 1 - beta1))
+        out = simulate_compressed_allreduce(inputs, we, se, segments)
+        if out is None:
+            continue
+        m.copy_(out)
+        if mask is not None:
+            m.mul_(mask)
+            chunk = big_n // world_size
+            for r in range(world_size):
+                we[r][:n].mul_(mask)
+                lo, hi = r * chunk, min(n, (r + 1) * chunk)
+                if hi > lo:
+                    se[r][:hi - lo].mul_(mask[lo:hi])
+        if weight_decay and decoupled:
+            x.mul_(1 - lr * weight_decay)
+        bc1 = 1 - beta1 ** t if bias_correction else 1.0
+        x.addcdiv_(m, denom, value=-lr / bc1)
+    return x, m, we, se

@@ -79,3 +79,32 @@ def test_netsim_cleans_up_after_a_failing_command():
     assert proc.returncode == 3
     assert proc.stdout.strip() == "3"   # two hosts and the bridge existed while the command ran
     assert leftover(tag) == []
+
+
+def test_a_host_link_down_mid_training_ends_the_job_and_a_restart_finishes(tmp_path):
+    """2 hosts under mpirun; after step 10 the second host's link goes down (up again 25 s later).
+    Both ranks raise CollectiveTimeoutError naming the collective within HVD_ZOADAM_TIMEOUT_S = 10 s
+    plus a margin of the link going down, the job exits non-zero, and a restart from the last
+    checkpoint written before the fault (step 8) trains to the end."""
+    tag = f"zt{os.getpid()}d"
+    worker = ROOT / "tests/mp/worker_linkdown.py"
+    down = (f"ip netns exec {tag}h2 ip link set {'zeth0'} down && "
+            f"(sleep 25; ip netns exec {tag}h2 ip link set zeth0 up) >/dev/null 2>&1 &")
+    hosts = 'H="$(echo $ZO_HOSTS | sed "s/,/:1,/g"):1"'
+    mpirun = 'mpirun $ZO_MPIRUN_ARGS -H "$H" -np 2 -x PATH -x PYTHONUNBUFFERED -x HVD_ZOADAM_TIMEOUT_S -x ZO_LINK_DOWN'
+    script = (f"cd {ROOT} && {hosts} && export HVD_ZOADAM_TIMEOUT_S=10 ZO_LINK_DOWN={shlex.quote(down)} && "
+              f"start=$(date +%s); {mpirun} {sys.executable} {worker} train {tmp_path} 400; "
+              f"echo \"train rc=$? after $(( $(date +%s) - start )) s\"; sleep 26; "
+              f"{mpirun} {sys.executable} {worker} resume {tmp_path} 8 30; echo \"resume rc=$?\"")
+    proc = netsim(2, "1gbit", tag, script, timeout_s=300)
+    out = proc.stdout + proc.stderr
+    assert leftover(tag) == []
+    train = next(line for line in proc.stdout.splitlines() if line.startswith("train rc="))
+    assert not train.startswith("train rc=0 "), out[-3000:]
+    assert int(train.split()[-2]) < 120, train  # the job ended; it did not wait for the link
+    for r in range(2):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "CollectiveTimeoutError" and "'zoadam." in rec["message"], rec
+        assert rec["since_down"] < 10 + 15, rec
+    assert "resume rc=0" in proc.stdout, out[-3000:]
+    assert json.loads((tmp_path / "resumed.json").read_text()) == {"first": 9, "last": 30, "step": 30}
