@@ -581,6 +581,7 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         self.transport.counter.kind = kind.value
         ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange)
         k = self.algorithm.apply(ctx, kind, skip)
+        skip = skip or ctx.skipped
         self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))
         counters.update(step=step, exp_avg_sq_steps=k)
         if self._step_log:

@@ -112,3 +112,18 @@ def test_zoadam_knobs_are_refused_under_onebit():
                               transport=hvd_zoadam.transport.ThreadGroup(1).transports()[0])
     with pytest.raises(ValueError, match="algorithm must be 'zoadam'"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), algorithm="2bit")
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_onebit_adam_in_a_real_job(launcher, tmp_path):
+    """horovodrun --gloo -np 2 / mpirun -np 2: equal to hvd.DistributedOptimizer(Adam) up to the freeze
+    (float tolerance), identical on both ranks after every step, and a NaN on one rank at a
+    compressed step skips that step on both."""
+    from conftest import load_ranks, run_job
+    run_job(launcher, 2, ["tests/mp/worker_onebit.py", str(tmp_path)])
+    ranks = load_ranks(tmp_path, 2)
+    for r in ranks:
+        assert r["adam_diff"] < 1e-6
+        assert all(torch.equal(a, b) for a, b in zip(r["params"][6], r["params"][5]))  # step 7 skipped
+        assert not all(torch.equal(a, b) for a, b in zip(r["params"][7], r["params"][6]))
+        assert r["stats"]["compressed"]["steps"] == 6 and r["stats"]["skipped_steps"] == 1

@@ -32,6 +32,8 @@ class StepContext:
     exchanged: ``p.grad`` holds this step's exchange result (not the local gradient).
     exchange: ``exchange(buckets, fill, consume, consume_packed=None) -> bool``, the 1-bit
     exchange of :func:`hvd_zoadam.protocol.exchange_buckets` (False: skipped on every rank).
+    skipped: set by a step function whose own exchange was skipped on every rank (a
+    non-finite input somewhere), so that the step counts as skipped.
     """
 
     engine: object
@@ -39,3 +41,4 @@ class StepContext:
     counters: dict
     exchanged: bool
     exchange: object
+    skipped: bool = False

@@ -69,7 +69,7 @@ class _MomentumStep:
         self.ctx, self.k, self.engine = ctx, k, ctx.engine
 
     def run(self) -> None:
-        self.ctx.exchange(self.engine.buckets, self.fill, self.consume)
+        self.ctx.skipped = not self.ctx.exchange(self.engine.buckets, self.fill, self.consume)
 
     def fill(self, b, buf) -> None:
         """buf <- m_r = β1·m + (1 − β1)·g_r (with Adam's L2 term in g_r), zero padding."""
