@@ -386,20 +386,20 @@ def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s:
     n: parameters; p: workers; bandwidth_bps: link bits/s per direction; latency_s: alpha
     per message round; compute_s: forward + backward + optimizer per step. Collectives use
     the bandwidth-optimal ring/pairwise forms: allreduce of B bytes costs
-    2(p−1)·alpha + 2(p−1)/p·B/beta; the 1-bit exchange (algorithm.md §3) costs 3 rounds:
-    (p−1)·alpha for scales, alltoall (p−1)/p·N/8 bytes, allgather (p−1)·N/(8p) bytes, i.e.
-    ~2(p−1)/p·n/8 bytes and 3(p−1)·alpha. ``frac``: share of steps of each kind
+    2(p−1)·alpha + 2(p−1)/p·B/beta; the 1-bit exchange (algorithm.md §3) costs 2 rounds:
+    alltoall (p−1)/p·N/8 bytes of signs, allgather (p−1)·N/(8p) bytes, each with the scales
+    its receivers use, i.e. ~2(p−1)/p·n/8 bytes and 2(p−1)·alpha. ``frac``: share of steps of each kind
     (variance, compressed, local, sync); systems: "adam" (fp32), "adam-fp16", "1bit-adam",
     "zoadam" (no overlap of communication with compute is assumed).
 
-    ``scale_block_numel`` (0/1 Adam): one float32 scale per block of that many elements; both
-    allgathers of scales then send 2(p−1)·4·n/scale_block_numel bytes per rank, 32p/block
-    times the bits (equal at p = 64 with 2048-element blocks). None: scales per tensor,
-    negligible (as for 1-bit Adam).
+    ``scale_block_numel`` (0/1 Adam): one float32 scale per block of that many elements; each
+    scale travels only to the server of its chunk and back, 2(p−1)/p·4·n/scale_block_numel
+    bytes per rank, 32/block of the bits at any p. None: scales per tensor, negligible (as
+    for 1-bit Adam).
     """
     beta = bandwidth_bps / 8.0
     full = lambda w: 2 * (p - 1) * latency_s + 2 * (p - 1) / p * w * n / beta  # noqa: E731
-    onebit = 3 * (p - 1) * latency_s + 2 * (p - 1) / p * n / 8 / beta
+    onebit = 2 * (p - 1) * latency_s + 2 * (p - 1) / p * n / 8 / beta
     if p == 1:
         return compute_s
     if system == "adam":
@@ -412,7 +412,7 @@ def step_time(system: str, *, n: float, p: int, bandwidth_bps: float, latency_s:
         return compute_s + warm * full(4) + (1 - warm) * onebit
     if system == "zoadam":
         if scale_block_numel:
-            onebit += 2 * (p - 1) * 4 * n / scale_block_numel / beta
+            onebit += 2 * (p - 1) / p * 4 * n / scale_block_numel / beta
         return compute_s + frac.get("variance", 0.0) * full(4) + (frac.get("compressed", 0.0)
                                                                   + frac.get("sync", 0.0)) * onebit
     raise ValueError(f"unknown system {system!r}")

@@ -275,7 +275,7 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
             pre[bi] = self.algorithm.compressed_pre(self._engine, b, step, self._counters)
         self.algorithm.fill_compressed(self._engine, b, b.exchange.input, pre[bi])
         b.exchange.step = step
-        return b.exchange.start_scales(b.exchange.input)
+        return b.exchange.start(b.exchange.input)
 
     # -- per-step helpers --------------------------------------------------------------------
     @property

@@ -13,23 +13,22 @@ C(y) per bucket (one or more tensors laid out as segments of one flat buffer):
 
 1. worker side: ``z = y + worker_error``; one scale per segment,
    ``||z_seg|| / sqrt(len_seg)`` in float64; the signs packed MSB first; the new error
-   ``z - scale*sign`` written over ``y`` when ``y`` is the exchange's own input buffer
+   ``z - scale*sign`` staged over ``y`` when ``y`` is the exchange's own input buffer
    (else into a second buffer), not yet over ``worker_error`` (one pass over memory with
    per-block scales: :func:`hvd_zoadam.native.worker_compress`);
-2. round 1, allgather of the scales (float32[nseg] per rank) and of the step number the
-   rank is at (4 bytes). Ranks at different steps (``step()`` called on only some of them)
-   raise :class:`StepMismatchError` together, naming both steps. A non-finite scale
-   on any rank means a non-finite input somewhere: every rank sees it and skips
-   the exchange together, leaving both error buffers untouched (algorithm.md §5);
-3. otherwise the new error becomes ``worker_error`` (the two buffers swap roles);
-4. round 2, alltoall of the packed bytes: chunk q (N/(8P) bytes) goes to rank q;
-5. server side on rank r for chunk r: ``c = (1/P)·Σ_i scale_i·sign_i + server_error``,
-   one scale per segment piece of the chunk, pack, ``server_error <- c - scale*sign``;
-6. round 3, allgather of ``[server scales as bytes | packed chunk]``;
-7. every rank unpacks the same bytes, so the result is bitwise identical on all ranks.
+2. round 1, alltoall: chunk q's signs (N/(8P) bytes) go to rank q together with the worker
+   scales of the segments that overlap chunk q and the step number the rank is at;
+3. server side on rank r for chunk r: if the steps differ or a received scale is not finite,
+   flag it; otherwise ``c = (1/P)·Σ_i scale_i·sign_i + server_error``, one scale per segment
+   piece of the chunk, pack, ``server_error <- c - scale*sign`` (the old one kept);
+4. round 2, allgather of ``[flag, steps | the chunk's server scales | packed chunk]``;
+5. every rank reads every flag: ranks at different steps raise :class:`StepMismatchError`
+   together; a non-finite scale anywhere skips the exchange on every rank, both error buffers
+   restored (algorithm.md §5); otherwise the staged worker error becomes ``worker_error``;
+6. every rank unpacks the same bytes, so the result is bitwise identical on all ranks.
 
-Three rounds per bucket. Sending the scales first (a few bytes) is what lets the
-ranks agree on a skip before any error buffer changes.
+Two rounds per bucket. Each scale travels only to where it is used, so the scale bytes per
+rank do not grow with P (algorithm.md §3, "Counting bytes").
 """
 from __future__ import annotations
 
@@ -94,6 +93,25 @@ class NonFiniteError(FloatingPointError):
     """A compressed allreduce met a NaN or Inf input on some rank; all ranks raise it together."""
 
 
+def chunk_pieces(offsets, chunk_numel: int, world_size: int):
+    """Which segments overlap each chunk: ``(lo, count)``, int lists of length P, so that chunk q
+    (elements [q·C, (q+1)·C)) holds pieces of segments lo[q] .. lo[q] + count[q] − 1 (count 0
+    for a chunk of padding only). Pure integer arithmetic."""
+    los, counts = [], []
+    nseg = len(offsets) - 1
+    for q in range(world_size):
+        a, z = q * chunk_numel, (q + 1) * chunk_numel
+        lo = next((s for s in range(nseg) if offsets[s + 1] > a), nseg)
+        hi = next((s for s in range(lo, nseg) if offsets[s] >= z), nseg)
+        los.append(lo)
+        counts.append(max(0, hi - lo))
+    return los, counts
+
+
+def _align4(nbytes: int) -> int:
+    return -(-nbytes // 4) * 4
+
+
 class Exchange:
     """Plan, error buffers and scratch of one bucket's compressed exchange on one rank.
 
@@ -109,12 +127,21 @@ class Exchange:
     Attributes:
         worker_error: float32[padded_numel], e_w.
         server_error: float32[padded_numel // P], e_s.
-        step: the optimizer step the next round 1 announces (the owner sets it; the ranks must
-            agree on it, see :meth:`wait_scales`).
+        step: the optimizer step the next exchange announces (the owner sets it; the ranks must
+            agree on it).
+        pieces: ``(lo, count)`` of :func:`chunk_pieces`; S = ``max(count)`` scales per chunk travel.
+
+    Two rounds (algorithm.md §3): an alltoall whose message to rank q is ``[the worker scales of
+    the segments overlapping chunk q (S float32) | the step (int32) | chunk q's signs (C/8 bytes)]``,
+    and an allgather of every server's ``[flag, lowest step, highest step (int32) | its chunk's
+    server scales (S float32) | its packed chunk]``. The flag is 0 (all inputs finite, one step),
+    1 (a non-finite worker scale reached this server) or 2 (the ranks announced different steps).
+    Both error buffers are staged until every flag is known, so a skip leaves them untouched on
+    every rank.
 
     The input ``y`` of :meth:`prepare` is float32[padded_numel] with the padding at 0.
     When it is :attr:`input` (P > 1), the worker side writes the new error over it and, once
-    every rank's scales are known to be finite, :attr:`input` and :attr:`worker_error` swap
+    the exchange is known not to be skipped, :attr:`input` and :attr:`worker_error` swap
     roles; any other ``y`` is left alone and the new error goes to a second buffer.
 
     Attributes (P > 1):
@@ -143,22 +170,31 @@ class Exchange:
         self._next = None       # the new worker error when y is not self.input (made on first use)
         self._staged = None     # where the current exchange put the new worker error
         self.step = 0
-        # Round 1 message: [worker scales | the step as int32 bits]
-        self._scales_msg = torch.zeros(self.nseg + 1, dtype=torch.float32, device=device)
-        self._scales = self._scales_msg[:self.nseg]
+        self._scales = torch.zeros(self.nseg + 1, dtype=torch.float32, device=device)  # [nseg] + a 0 for padding
         self._packed = torch.zeros(self.padded_numel // 8, dtype=torch.uint8, device=device)
+        self.pieces = chunk_pieces(self.offsets, self.chunk_numel, p)
+        los, counts = self.pieces
+        s = self.max_pieces = max(counts) if counts else 0
+        # idx[q, j]: the segment of chunk q's j-th scale slot (nseg, the padding 0, past count[q])
+        self._idx = torch.tensor([[lo + j if j < c else self.nseg for j in range(s)] for lo, c in zip(los, counts)],
+                                 dtype=torch.long, device=device).reshape(p, s)
         nbytes = self.chunk_numel // 8
-        # Round 3 message: [server scales as bytes | packed chunk], scales first for alignment.
-        self._server_msg = torch.zeros(4 * self.nseg + nbytes, dtype=torch.uint8, device=device)
-        self._server_scales = self._server_msg[:4 * self.nseg].view(torch.float32)
-        self._server_packed = self._server_msg[4 * self.nseg:]
+        self._m1 = _align4(4 * s + 4 + nbytes)       # alltoall bytes per destination
+        self._m3 = _align4(12 + 4 * s + nbytes)      # allgather bytes per rank
+        self._send = torch.zeros(p, self._m1, dtype=torch.uint8, device=device)
+        self._server_msg = torch.zeros(self._m3, dtype=torch.uint8, device=device)
+        self._worker_scales = torch.zeros(p, self.nseg, dtype=torch.float32, device=device)   # this chunk's columns
+        self._server_scales = torch.zeros(self.nseg, dtype=torch.float32, device=device)
+        self._server_packed = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._server_backup = None  # e_s before this exchange's server side (made on first use)
+        self._reduced = False       # this exchange's server side changed server_error
 
     def memory_bytes(self) -> dict:
         """Bytes held: the two error buffers, and the reusable scratch (the input buffer at
-        P > 1, packed bytes)."""
+        P > 1, packed bytes, the messages, the staged server error)."""
         errors = (self.worker_error.numel() + self.server_error.numel()) * 4
-        scratch = self._packed.numel() + self._server_msg.numel()
-        for buf in (self.input, self._next):
+        scratch = self._packed.numel() + self._send.numel() + self._server_msg.numel() + self._server_packed.numel()
+        for buf in (self.input, self._next, self._server_backup):
             scratch += 0 if buf is None else buf.numel() * 4
         return {"error_buffers": errors, "scratch": scratch}
 
@@ -175,87 +211,129 @@ class Exchange:
         self.server_error.zero_()
 
     def prepare(self, y: torch.Tensor):
-        """Worker scales and round 1. Returns float32[P, nseg] of every rank's scales, or
-        None when some rank's input is non-finite (every rank returns None together)."""
+        """The whole exchange of ``y`` up to its packed result: a token for :meth:`finish`, or
+        None when some rank's input is non-finite (every rank returns None together, and
+        both error buffers are unchanged)."""
         if self.transport.world_size == 1:
-            return self._scales if native.all_finite(y[:self.numel]) else None
-        return self.wait_scales(self.start_scales(y))
+            return self._scales[:self.nseg] if native.all_finite(y[:self.numel]) else None
+        result = self.gather(self.serve(self.start(y)))
+        if result is None:
+            self.rollback()
+            return None
+        self.commit()
+        return result
 
-    def finish(self, y: torch.Tensor, all_worker_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rounds 2 and 3 after :meth:`prepare`: C(y) into ``out`` (float32[numel]). ``y`` is
-        read only at P = 1 (C(y) = y); at P > 1 :meth:`prepare` consumed it."""
+    def finish(self, y: torch.Tensor, token, out: torch.Tensor) -> torch.Tensor:
+        """C(y) into ``out`` (float32[numel]) from :meth:`prepare`'s token. ``y`` is read only at
+        P = 1 (C(y) = y); at P > 1 :meth:`prepare` consumed it."""
         if self.transport.world_size == 1:
             return out.copy_(y[:self.numel])
-        return self.finish_gather(self.start_server(self.start_signs(all_worker_scales), all_worker_scales), out)
+        return native.decompress(*token, self.plan, out)
 
     # The same exchange in nonblocking phases (P > 1), so that the optimizer can run one
-    # bucket's collectives while it computes the next bucket's: start_scales -> wait_scales
-    # -> start_signs -> start_server -> finish_gather. ``y`` is read only by start_scales;
-    # the messages in flight live in this object's own buffers.
-    def start_scales(self, y: torch.Tensor):
+    # bucket's collectives while it computes the next bucket's: start -> serve -> gather ->
+    # commit (or rollback when any bucket is skipped). ``y`` is read only by start; the
+    # messages in flight live in this object's own buffers.
+    def start(self, y: torch.Tensor):
         """The whole worker side of ``y + worker_error`` (scales with float64 sums, signs, the new
         error staged over ``y`` if it is :attr:`input`, else in a second buffer), then start
-        round 1 (allgather of the scales)."""
+        round 1: the alltoall of each chunk's signs with the scales it needs and the step."""
         if y is self.input:
             staged = y
         else:
             if self._next is None:
                 self._next = torch.zeros(self.padded_numel, device=self.device)
             staged = self._next
-        native.worker_compress(y, self.worker_error, self.plan, self._scales, self._packed, error_out=staged)
+        p, s = self.transport.world_size, self.max_pieces
+        native.worker_compress(y, self.worker_error, self.plan, self._scales[:self.nseg], self._packed,
+                               error_out=staged)
         self._staged = staged
-        self._scales_msg[self.nseg:].view(torch.int32).fill_(self.step)
-        return self.transport.start("allgather", self._scales_msg, f"{self.name}.scales")
+        send = self._send
+        if s:
+            send[:, :4 * s].view(torch.float32).copy_(self._scales[self._idx])
+        send[:, 4 * s:4 * s + 4].view(torch.int32).fill_(self.step)
+        send[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].copy_(self._packed.view(p, -1))
+        return self.transport.start("alltoall", send.view(-1), f"{self.name}.signs")
 
-    def wait_scales(self, handle):
-        """float32[P, nseg] of every rank's scales, or None when one is non-finite.
+    def serve(self, signs_handle):
+        """Round 1 in: check the steps and this chunk's worker scales, average the P chunks with
+        ``server_error`` and recompress (the old e_s kept until :meth:`commit`), start round 2."""
+        p, s, r = self.transport.world_size, self.max_pieces, self.transport.rank
+        recv = self.transport.wait(signs_handle).view(p, self._m1)
+        lo, count = self.pieces[0][r], self.pieces[1][r]
+        steps = recv[:, 4 * s:4 * s + 4].contiguous().view(torch.int32).view(-1)
+        msg = self._server_msg
+        head = msg[:12].view(torch.int32)
+        low, high = int(steps.min()), int(steps.max())
+        head[1], head[2] = low, high
+        scales = recv[:, :4 * s].contiguous().view(torch.float32)[:, :count]
+        if low != high:
+            head[0] = 2
+        elif not bool(torch.isfinite(scales).all()):
+            head[0] = 1
+        else:
+            head[0] = 0
+            self._worker_scales[:, lo:lo + count] = scales
+            if self._server_backup is None:
+                self._server_backup = torch.empty_like(self.server_error)
+            self._server_backup.copy_(self.server_error)
+            packed = recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].contiguous()
+            native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
+                                 self._server_packed, self._server_scales)
+            self._reduced = True
+            if s:
+                msg[12:12 + 4 * s].view(torch.float32)[:count] = self._server_scales[lo:lo + count]
+            msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed
+        return self.transport.start("allgather", msg, f"{self.name}.server")
+
+    def gather(self, server_handle):
+        """Wait for round 2. Returns C(y) still packed: (uint8[N/8] signs of every chunk in rank
+        order, float32[P, nseg] server scales), for the fused consumers of :mod:`.native`; or None
+        when some server met a non-finite scale (skip; call :meth:`rollback`).
 
         Raises:
             StepMismatchError: on every rank, when the ranks announced different steps.
         """
-        msg = self.transport.wait(handle).view(self.transport.world_size, self.nseg + 1)
-        steps = msg[:, self.nseg:].contiguous().view(torch.int32).view(-1).tolist()
-        if len(set(steps)) > 1:
-            first = next(r for r, st in enumerate(steps) if st != steps[0])
+        p, s = self.transport.world_size, self.max_pieces
+        gathered = self.transport.wait(server_handle).view(p, self._m3)
+        head = gathered[:, :12].contiguous().view(torch.int32)
+        flags = head[:, 0].tolist()
+        if 2 in flags:
+            self.rollback()
+            q = flags.index(2)
             raise StepMismatchError(
-                f"hvd_zoadam: the exchange '{self.name}' met ranks at different optimizer steps: rank 0 is at "
-                f"step {steps[0]}, rank {first} at step {steps[first]} (steps by rank: {steps}). Every rank must "
-                "call step() (or skip_synchronize()/synchronize() alike) at every iteration; restart from the "
-                "last checkpoint")
-        all_scales = msg[:, :self.nseg].contiguous()
-        return all_scales if bool(torch.isfinite(all_scales).all()) else None
+                f"hvd_zoadam: the exchange '{self.name}' met ranks at different optimizer steps: steps "
+                f"{int(head[q, 1])} and {int(head[q, 2])}. Every rank must call step() (or "
+                "skip_synchronize()/synchronize() alike) at every iteration; restart from the last checkpoint")
+        if any(flags):
+            return None
+        packed = gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8].reshape(-1)
+        server_scales = torch.zeros(p, self.nseg + 1, dtype=torch.float32, device=self.device)
+        if s:
+            server_scales.scatter_(1, self._idx, gathered[:, 12:12 + 4 * s].contiguous().view(torch.float32))
+        return packed, server_scales[:, :self.nseg].contiguous()
 
-    def start_signs(self, all_worker_scales: torch.Tensor):
-        """Every rank's scales are finite: the staged error becomes ``worker_error``; start
-        round 2 (alltoall of the packed signs)."""
+    def commit(self) -> None:
+        """The exchange is not skipped: the staged error becomes ``worker_error`` (the two
+        buffers swap roles) and the server side's new ``server_error`` stays."""
         staged, old = self._staged, self.worker_error
         self.worker_error, self._staged = staged, None
         if staged is self.input:
             self.input = old
         else:
             self._next = old
-        return self.transport.start("alltoall", self._packed, f"{self.name}.signs")
+        self._reduced = False
 
-    def start_server(self, signs_handle, all_worker_scales: torch.Tensor):
-        """Wait for round 2, average this rank's chunk with ``server_error``, recompress, start round 3."""
-        p = self.transport.world_size
-        recv = self.transport.wait(signs_handle).view(p, -1)
-        native.server_reduce(recv, all_worker_scales, self.server_error, self.plan,
-                             self._server_packed, self._server_scales)
-        return self.transport.start("allgather", self._server_msg, f"{self.name}.server")
+    def rollback(self) -> None:
+        """The exchange is skipped: ``worker_error`` and ``server_error`` as before it."""
+        if self._reduced:
+            self.server_error.copy_(self._server_backup)
+        self._staged, self._reduced = None, False
 
-    def gather(self, server_handle):
-        """Wait for round 3. Returns C(y) still packed: (uint8[N/8] signs of every chunk in rank
-        order, float32[P, nseg] server scales), for the fused consumers of :mod:`.native`."""
-        p = self.transport.world_size
-        gathered = self.transport.wait(server_handle).view(p, -1)
-        packed = gathered[:, 4 * self.nseg:].reshape(-1)
-        server_scales = gathered[:, :4 * self.nseg].contiguous().view(torch.float32).view(p, self.nseg)
-        return packed, server_scales
-
-    def finish_gather(self, server_handle, out: torch.Tensor) -> torch.Tensor:
-        """Wait for round 3 and decompress C(y) into ``out`` (float32[numel])."""
-        return native.decompress(*self.gather(server_handle), self.plan, out)
+    def finish_gather(self, server_handle, out: torch.Tensor):
+        """Wait for round 2 and decompress C(y) into ``out`` (float32[numel]); None when skipped."""
+        result = self.gather(server_handle)
+        return None if result is None else native.decompress(*result, self.plan, out)
 
 
 class Average:
@@ -343,6 +421,31 @@ class Average:
         return native.all_finite_many(averages)  # on a GPU, one host synchronisation per step
 
 
+def _exchange_alone(buckets: list, g: torch.Tensor, w: torch.Tensor, fill, consume) -> bool:
+    """:func:`exchange_buckets` at P = 1: C(y) = y, skipped when some input is not finite."""
+    if len(buckets) == 1:  # fill once, hand y itself over
+        b = buckets[0]
+        buf = g[:b.exchange.padded_numel]
+        fill(b, buf)
+        if b.exchange.prepare(buf) is None:
+            return False
+        consume(b, buf[:b.numel])
+        return True
+    prepared = []
+    for b in buckets:
+        buf = g[:b.exchange.padded_numel]
+        fill(b, buf)
+        scales = b.exchange.prepare(buf)
+        if scales is None:
+            return False
+        prepared.append(scales)
+    for b, scales in zip(buckets, prepared):
+        buf = g[:b.exchange.padded_numel]
+        fill(b, buf)
+        consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
+    return True
+
+
 def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Tensor, fill, consume,
                      consume_packed=None, started=None) -> bool:
     """C(.) of every bucket in ``buckets``, in order (the same on every rank, as MPI requires).
@@ -351,57 +454,44 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
     ``fill(bucket, buf)`` writes the input into the padded float32 ``buf``; ``consume(bucket, w)``
     receives the float32[n] result, or, when P > 1 and ``consume_packed`` is given,
     ``consume_packed(bucket, packed, server_scales)`` receives it still packed (a fused kernel
-    then unpacks it). All buckets' scales are exchanged first, so a non-finite input anywhere
-    skips every bucket before any error buffer changes (algorithm.md §5). At P > 1 each bucket
+    then unpacks it). No error buffer changes and nothing is consumed until every bucket's
+    round 2 is in, so a non-finite input anywhere skips every bucket (algorithm.md §5). At P > 1 each bucket
     is filled once, into its exchange's own input buffer, which the worker side turns into the
     new error; at P = 1 with several buckets the scratch ``scratch_g`` is filled again for the
     second phase (bitwise alike). ``started`` (P > 1) maps ``id(bucket)`` to a round 1 the
     backward hooks already started from the bucket's exchange input; those buckets are not
     filled again. ``scratch_w``: float32, at least the largest bucket's numel.
     """
-    g, w = scratch_g, scratch_w
+    w = scratch_w
     world_size = buckets[0].exchange.transport.world_size if buckets else 1
-    if world_size == 1 and len(buckets) == 1:  # C(y) = y: fill once, hand y itself over
-        b = buckets[0]
-        buf = g[:b.exchange.padded_numel]
-        fill(b, buf)
-        if b.exchange.prepare(buf) is None:
-            return False
-        consume(b, buf[:b.numel])
-        return True
     if world_size == 1:
-        prepared = []
-        for b in buckets:
-            buf = g[:b.exchange.padded_numel]
-            fill(b, buf)
-            scales = b.exchange.prepare(buf)
-            if scales is None:
-                return False
-            prepared.append(scales)
-        for b, scales in zip(buckets, prepared):
-            buf = g[:b.exchange.padded_numel]
-            fill(b, buf)
-            consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
-        return True
-    # Pipelined: each bucket's collective is in flight while the next bucket's scales / signs /
-    # server chunk are computed. Round 1 of every bucket completes before any error buffer changes.
+        return _exchange_alone(buckets, scratch_g, w, fill, consume)
+    # Pipelined: each bucket's collective is in flight while the next bucket's worker side or
+    # server side is computed. No error buffer changes until every bucket's round 2 is in.
     handles = {}
     for b in buckets:
         if started and id(b) in started:
             handles[id(b)] = started[id(b)]
             continue
         fill(b, b.exchange.input)
-        handles[id(b)] = b.exchange.start_scales(b.exchange.input)
-    prepared = [b.exchange.wait_scales(handles[id(b)]) for b in buckets]
-    if any(scales is None for scales in prepared):
+        handles[id(b)] = b.exchange.start(b.exchange.input)
+    served = [b.exchange.serve(handles[id(b)]) for b in buckets]
+    try:
+        results = [b.exchange.gather(h) for b, h in zip(buckets, served)]
+    except StepMismatchError:
+        for b in buckets:
+            b.exchange.rollback()
+        raise
+    if any(r is None for r in results):
+        for b in buckets:
+            b.exchange.rollback()
         return False
-    handles = [b.exchange.start_signs(scales) for b, scales in zip(buckets, prepared)]
-    handles = [b.exchange.start_server(h, scales) for b, h, scales in zip(buckets, handles, prepared)]
-    for b, h in zip(buckets, handles):
+    for b, result in zip(buckets, results):
+        b.exchange.commit()
         if consume_packed is not None:
-            consume_packed(b, *b.exchange.gather(h))
+            consume_packed(b, *result)
         else:
-            consume(b, b.exchange.finish_gather(h, w[:b.numel]))
+            consume(b, native.decompress(*result, b.exchange.plan, w[:b.numel]))
     return True
 
 

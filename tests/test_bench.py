@@ -82,10 +82,11 @@ def test_alpha_beta_model_formulas_and_projection():
                      frac={"local": 1.0}) == pytest.approx(0.5)
     assert step_time("zoadam", n=1e6, p=2, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0,
                      frac={"sync": 1.0}) == pytest.approx(4e6 / 32 / 12.5e6)
-    # per-block scales: two allgathers of (p-1)*4*n/block bytes; equal to the bits at p = block/32
-    bits = step_time("zoadam", n=1e6, p=64, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0, frac={"sync": 1.0})
-    assert step_time("zoadam", n=1e6, p=64, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0, frac={"sync": 1.0},
-                     scale_block_numel=2048) == pytest.approx(2 * bits)
+    # per-block scales go to their chunk's server and back: 32/block of the bits at every p
+    for p in (2, 64, 1024):
+        bits = step_time("zoadam", n=1e6, p=p, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0, frac={"sync": 1.0})
+        assert step_time("zoadam", n=1e6, p=p, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0, frac={"sync": 1.0},
+                         scale_block_numel=2048) == pytest.approx(bits * (1 + 32 / 2048))
     rep = bench("model")
     rows = rep["bert_large"]["rows"]
     assert {(r["gbit_per_s"], r["workers"]) for r in rows} == {(g, w) for g in (10, 40, 100) for w in (16, 32, 64, 128)}

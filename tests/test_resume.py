@@ -117,3 +117,39 @@ def test_bench_resume_keeps_the_progress_that_zeroed_buffers_lose(tmp_path, caps
     for p in (4, 3):
         assert rows[(p, "pooled")]["gain"] >= 0.9
         assert rows[(p, "zeroed")]["gain"] < rows[(p, "pooled")]["gain"]
+
+
+def test_the_first_exchange_after_a_pooled_load_matches_the_oracle():
+    """Pooled at P = 4, loaded at P' = 2 and 3: the next 1-bit exchange of the bucket equals the
+    in-process simulation started from worker errors ē on every rank and the server errors cut
+    from the pooled vector, bit for bit (outputs and both error buffers)."""
+    from hvd_zoadam.simulate import simulate_compressed_allreduce
+
+    def save(rank, transport):
+        model, opt = _build(transport)
+        _train(model, opt, rank, 12)
+        return opt.error_feedback_state()
+
+    pooled = run_threads(4, save)[0]
+    for world in (2, 3):
+        def exchange(rank, transport):
+            model, opt = _build(transport)
+            opt.load_error_feedback(pooled)
+            ex = opt._buckets[0].exchange
+            start = (ex.worker_error.clone(), ex.server_error.clone())
+            y = ex.input
+            y.zero_()
+            y[:ex.numel] = torch.randn(ex.numel, generator=torch.Generator().manual_seed(50 + rank))
+            token = ex.prepare(y)
+            out = ex.finish(None, token, torch.empty(ex.numel))
+            return start, out, ex.worker_error.clone(), ex.server_error.clone(), ex.offsets
+        got = run_threads(world, exchange)
+        offsets = got[0][4]
+        inputs = [torch.randn(offsets[-1], generator=torch.Generator().manual_seed(50 + r)) for r in range(world)]
+        we = [g[0][0].clone() for g in got]
+        se = [g[0][1].clone() for g in got]
+        assert all(torch.equal(w, we[0]) for w in we) and we[0].abs().sum() > 0
+        numels = [b - a for a, b in zip(offsets, offsets[1:])]
+        want = simulate_compressed_allreduce(inputs, we, se, numels)
+        for r, g in enumerate(got):
+            assert torch.equal(g[1], want) and torch.equal(g[2], we[r]) and torch.equal(g[3], se[r])
