@@ -4,6 +4,9 @@ trained by one of the compared systems. Launched by mpirun (one rank per simulat
 Runs (``--run``):
   adam          hvd.DistributedOptimizer(torch.optim.AdamW), fp32 allreduce (Horovod, MPI controller)
   adam-fp16     the same with compression=hvd.Compression.fp16
+  onebit        hvd_zoadam.OnebitAdam(torch.optim.AdamW), full-precision AdamW for --onebit-freeze-frac
+                of the steps (default 0.2, the paper advises 15-25 %), then the 1-bit exchange of the
+                momentum at every step, one scale per 256 elements as zoadam
   zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW), freeze at --warmup, one scale per
                 256 elements, var_update_scaler 2 (README: short runs want 2-4; 8, the 400-step
                 demo's, made 10 of the 12 warm-up steps full precision), H by the lr policy up to 8
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-RUNS = ("adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute")
+RUNS = ("adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute", "onebit")
 
 
 def _train_lm():
@@ -66,8 +69,32 @@ def parse(argv=None):
     ap.add_argument("--local-step-policy", default="lr", help="0/1 Adam's H policy (zoadam run)")
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
+    ap.add_argument("--eval-every", type=int, default=0, help="validation loss every k steps (0: never)")
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--onebit-freeze-frac", type=float, default=0.2,
+                    help="1-bit Adam's freeze_step as a fraction of --steps (onebit run)")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
+
+
+@torch.no_grad()
+def _val_loss(model, batches, hvd, dist, world, step) -> float:
+    """The validation loss on the fixed held-out batches, averaged over the ranks' models (they
+    differ inside local-step windows); ``compute`` ranks report their own."""
+    model.eval()
+    val = torch.tensor(sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches)
+                       / len(batches))
+    model.train()
+    if hvd is not None:
+        val = hvd.allreduce(val, op=hvd.Average, name=f"bench.val.{step}")
+    elif dist is not None:
+        dist.all_reduce(val)
+        val /= world
+    return float(val)
+
+
+def _onebit_freeze(args) -> int:
+    return max(1, round(args.onebit_freeze_frac * args.steps))
 
 
 def main(argv=None):
@@ -75,7 +102,7 @@ def main(argv=None):
     lm = _train_lm()
     torch.set_num_threads(1)
     hvd = dist = None
-    if args.run in ("adam", "adam-fp16", "zoadam"):
+    if args.run in ("adam", "adam-fp16", "zoadam", "onebit"):
         import horovod.torch as hvd
         hvd.init()
         rank, world = hvd.rank(), hvd.size()
@@ -89,7 +116,10 @@ def main(argv=None):
     text = lm.load_corpus()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text[:int(0.9 * len(text))]], dtype=torch.long)
+    encoded = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    data, held_out = encoded[:int(0.9 * len(text))], encoded[int(0.9 * len(text)):]
+    val_gen = torch.Generator().manual_seed(12345)  # one fixed held-out set for every system
+    val_batches = [lm.get_batch(held_out, args.batch_size, args.block_size, val_gen) for _ in range(args.eval_batches)]
     torch.manual_seed(1234)
     model = lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
     n_params = sum(p.numel() for p in model.parameters())
@@ -107,6 +137,10 @@ def main(argv=None):
                 var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                 local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
                 scale_block_numel=256, transport=args.transport)
+        elif args.run == "onebit":
+            import hvd_zoadam
+            opt = hvd_zoadam.OnebitAdam(inner, model.named_parameters(), freeze_step=_onebit_freeze(args),
+                                        scale_block_numel=256, transport=args.transport)
         else:
             comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
@@ -134,6 +168,7 @@ def main(argv=None):
     losses, stamps = [], {}
     kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
     start = None
+    eval_s, eval_timed, val_curve, eval_at = 0.0, 0.0, [], {}  # val_curve: (step, wall s since step 1 less evaluations, val)
     for step in range(1, args.steps + 1):
         stamps[step] = time.perf_counter()
         if step == args.skip + 1:
@@ -142,7 +177,7 @@ def main(argv=None):
         opt.zero_grad()
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
         loss.backward()
-        before = opt.comm_stats() if args.run == "zoadam" else None
+        before = opt.comm_stats() if args.run in ("zoadam", "onebit") else None
         opt.step()
         if before is not None and step > args.skip:
             after = opt.comm_stats()
@@ -153,10 +188,19 @@ def main(argv=None):
             averager.average_parameters(model.parameters())
         sched.step()
         losses.append(loss.item())
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            t0 = time.perf_counter()
+            val = _val_loss(model, val_batches, hvd, dist, world, step)
+            val_curve.append((step, t0 - stamps[1] - eval_s, val))
+            eval_s += time.perf_counter() - t0
+            eval_timed += (time.perf_counter() - t0) if start is not None else 0.0
+            eval_at[step] = time.perf_counter() - t0
     end = time.perf_counter()
-    elapsed = end - start
+    elapsed = end - start - eval_timed  # steps/s and wall times never include evaluations
     steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
-    steady = (args.steps - steady_from + 1) / (end - stamps[steady_from]) if steady_from <= args.steps else None
+    steady = ((args.steps - steady_from + 1) / (end - stamps[steady_from] - sum(d for t, d in eval_at.items()
+                                                                              if t >= steady_from))
+              if steady_from <= args.steps else None)
     final = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
     if hvd is not None:
         final = hvd.allreduce(final, op=hvd.Average, name="bench.final")
@@ -166,7 +210,12 @@ def main(argv=None):
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
            "steady_steps_per_s": steady, "steady_from_step": steady_from,
-           "params": n_params}
+           "params": n_params, "val_curve": val_curve, "eval_seconds": eval_s}
+    if args.run == "onebit":
+        stats = opt.comm_stats()
+        out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
+                   transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed")},
+                   timed_seconds_by_kind=kind_s, config={"freeze_step": _onebit_freeze(args), "scale_block_numel": 256})
     if args.run == "zoadam":
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],

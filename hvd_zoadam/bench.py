@@ -43,6 +43,9 @@ RUN_LABELS = {
     "ddp-powersgd": "(d) DDP + PowerSGD",
     "ddp-localsgd": "(e) DDP + post-local SGD",
     "compute": "(f) compute only",
+    "onebit": "(g) hvd_zoadam 1-bit Adam",
+    "diloco-h8": "(h) torchft DiLoCo, H = 8",
+    "diloco-h32": "(h) torchft DiLoCo, H = 32",
 }
 
 
@@ -57,9 +60,10 @@ def _tx_bytes(ns: str) -> int:
 def _network_run(net, run: str, args, workdir: Path) -> dict:
     out = workdir / f"{run}.json"
     hosts = ",".join(f"{a}:1" for a in net.addresses)
-    worker = [sys.executable, "-m", "hvd_zoadam._bench_lm", "--run", run, "--steps", str(args.steps),
+    module = "hvd_zoadam._bench_diloco" if run.startswith("diloco") else "hvd_zoadam._bench_lm"
+    worker = [sys.executable, "-m", module, "--run", run, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--skip", str(args.skip), "--master", net.addresses[0],
-              "--out", str(out), *args.model_args]
+              "--out", str(out), "--eval-every", str(args.eval_every), *args.model_args]
     # Open MPI's default allreduce choice runs 40% below the line rate at 100 Mbit: pin
     # recursive doubling (benchmark-facts §2), so Horovod's baseline is not handicapped.
     cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
@@ -109,6 +113,11 @@ def _ratios(results: list) -> dict:
                         z["steady_steps_per_s"] / by[other]["steady_steps_per_s"]
         if "adam" in by:
             out["zoadam_wire_bytes_vs_adam"] = z["wire_bytes_sent_per_rank"] / by["adam"]["wire_bytes_sent_per_rank"]
+        if "onebit" in by:  # the paper's own comparison, over the same steps
+            o = by["onebit"]
+            out["zoadam_wire_bytes_vs_onebit"] = z["wire_bytes_sent_per_rank"] / o["wire_bytes_sent_per_rank"]
+            out["zoadam_rounds_vs_onebit"] = z["rounds"] / o["rounds"]
+            out["zoadam_steps_per_s_vs_onebit"] = z["steps_per_s"] / o["steps_per_s"]
     return out
 
 
@@ -154,7 +163,8 @@ def cmd_network(args) -> dict:
                     f"the wire, loss {res['final_loss']:.3f}" if res["ok"] else f"FAILED: {res['error'][-300:]}"))
                 bar.write(msg, file=sys.stderr)
                 bar.update()
-        report["rates"][rate] = {"runs": results, "ratios": _ratios(results)}
+        report["rates"][rate] = {"runs": results, "ratios": _ratios(results),
+                                 "time_to_quality": _time_to_quality(results)}
     bar.close()
     report["targets"] = [
         {"rate": rate, "metric": key, "target": target, "text": text,
@@ -164,7 +174,54 @@ def cmd_network(args) -> dict:
         for rate, key, target, text in TARGETS]
     if args.png:
         _network_png(report, args.png)
+        if any(r["time_to_quality"] for r in report["rates"].values()):
+            _quality_png(report, str(Path(args.png).with_suffix("")) + ".quality.png")
     return report
+
+
+def _time_to_quality(results: list) -> dict:
+    """Time to quality per system (needs --eval-every and the ``adam`` run): the target L* is the
+    validation loss Adam fp32 reaches at its first evaluation at or after 2/3 of the steps; a
+    system's TTQ is the wall time (evaluations excluded) of its first evaluation at or below L*."""
+    by = {r["run"]: r for r in results if r.get("ok") and r.get("val_curve")}
+    if "adam" not in by:
+        return {}
+    curve = by["adam"]["val_curve"]
+    horizon = by["adam"]["steps"]
+    target = next(v for step, _, v in curve if step >= 2 * horizon / 3)
+    rows = {}
+    for run, r in by.items():
+        hit = next(((step, wall) for step, wall, v in r["val_curve"] if v <= target), None)
+        rows[run] = {"label": r["label"], "ttq_s": hit[1] if hit else None, "ttq_step": hit[0] if hit else None,
+                     "reached": hit is not None, "best_val": min(v for _, _, v in r["val_curve"]),
+                     "final_val": r["val_curve"][-1][2], "wire_bytes_sent_per_rank": r["wire_bytes_sent_per_rank"],
+                     "rounds": r.get("rounds")}
+    adam_ttq = rows["adam"]["ttq_s"]
+    for row in rows.values():
+        row["ttq_speedup_vs_adam"] = adam_ttq / row["ttq_s"] if row["ttq_s"] and adam_ttq else None
+    ranking = sorted((run for run in rows if rows[run]["reached"]), key=lambda run: rows[run]["ttq_s"])
+    return {"target_val": target, "systems": rows, "ranking": ranking}
+
+
+def _quality_png(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rates = [rate for rate, block in report["rates"].items() if block["time_to_quality"]]
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.5), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        block = report["rates"][rate]
+        for r in block["runs"]:
+            if r.get("ok") and r.get("val_curve"):
+                ax.plot([w for _, w, _ in r["val_curve"]], [v for _, _, v in r["val_curve"]], label=r["label"],
+                        lw=2.2 if r["run"] == "zoadam" else 1.2)
+        ax.axhline(block["time_to_quality"]["target_val"], color="k", ls=":", lw=1, label="L* (Adam at 2/3 T)")
+        ax.set_xlabel("wall time, s (evaluations excluded)")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"{report['ranks']} ranks, {rate} links")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _network_png(report: dict, path: str) -> None:
@@ -478,7 +535,7 @@ def _parse_rate(rate: str) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    net = sub.add_parser("network", help="the char LM over shaped links, 6 systems side by side (needs root)")
+    net = sub.add_parser("network", help="the char LM over shaped links, 7 systems side by side (needs root)")
     net.add_argument("--rate", action="append", default=None,
                      help="link rate, e.g. 100mbit or 1gbit; repeat for several (default: 100mbit and 1gbit)")
     net.add_argument("--ranks", type=int, default=2)
@@ -488,6 +545,9 @@ def main(argv=None) -> int:
     net.add_argument("--warmup", type=int, default=12, help="LR warm-up steps; also 0/1 Adam's freeze, PowerSGD's "
                                                             "and post-local SGD's start")
     net.add_argument("--skip", type=int, default=3, help="untimed first steps")
+    net.add_argument("--eval-every", type=int, default=0,
+                     help="validation loss on one fixed held-out set every k steps (0: never); with the adam "
+                          "run the report gives each system's time to Adam's quality at 2/3 of the steps")
     net.add_argument("--runs", default=",".join(RUN_LABELS), help="subset of " + ",".join(RUN_LABELS))
     net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],

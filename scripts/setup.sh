@@ -58,6 +58,11 @@ if ! "$VPY" -c 'import numba, mpi4py, pytest, hypothesis, tqdm, matplotlib, psut
   "$PIP" install -q -c "$CONSTRAINTS" 'numba>=0.60' mpi4py pytest pytest-timeout hypothesis tqdm matplotlib tensorboard \
       scikit-learn 'cmake<4' packaging psutil cloudpickle pyyaml cffi
 fi
+# bench network's DiLoCo runs (h) use torchft (a benchmark dependency, not the library's)
+if ! "$VPY" -c 'import torchft' >/dev/null 2>&1; then
+  log "installing torchft 0.2.0 for bench network's DiLoCo runs"
+  "$PIP" install -q -c "$CONSTRAINTS" 'torchft==0.2.0' || log "torchft not installed: bench network's DiLoCo runs will fail"
+fi
 
 # A venv made before the pins may hold other versions: say so (its figures may differ in the last bits).
 "$VPY" - "$CONSTRAINTS" <<'PYEOF' || true

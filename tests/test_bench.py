@@ -25,11 +25,13 @@ def bench(*args, timeout_s=600):
 @pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")
 def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
-    rep = bench("network", "--rate", "1gbit", "--steps", "6", "--warmup", "3", "--skip", "1", "--png", str(png),
+    rep = bench("network", "--rate", "1gbit", "--steps", "8", "--warmup", "3", "--skip", "1", "--png", str(png),
+                "--eval-every", "4",
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
-    assert set(runs) == {"adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute"}
+    assert set(runs) == {"adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute", "onebit",
+                         "diloco-h8", "diloco-h32"}
     for name, r in runs.items():
         assert r["ok"], (name, r.get("error"))
         assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["world_size"] == 2
@@ -38,11 +40,28 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert 0.4 < runs["adam-fp16"]["wire_bytes_sent_per_rank"] / runs["adam"]["wire_bytes_sent_per_rank"] < 0.7
     assert runs["zoadam"]["transport"].startswith("mpi")
     # 0/1 Adam's knobs pass through --model-args and are reported: kappa 1 freezing at 3 gives
-    # variance steps 1 and 2 (intervals 1, 2), step 3 compressed, then local/sync steps
+    # variance steps 1 and 2 (intervals 1, 2), step 3 compressed, then local/sync steps 4-8
     z = runs["zoadam"]
     assert z["config"]["var_update_scaler"] == 1 and z["config"]["local_step_clipper"] == 2
     assert z["kinds"]["variance"] == 2 and z["kinds"]["compressed"] == 1
-    assert z["kinds"]["local"] + z["kinds"]["sync"] == 3
+    assert z["kinds"]["local"] + z["kinds"]["sync"] == 5
+    # 1-bit Adam: full precision for 20 % of the 8 steps (two), then a compressed step every step
+    o = runs["onebit"]
+    assert o["config"]["freeze_step"] == 2 and o["kinds"] == {"variance": 2, "compressed": 6}
+    assert o["transport"].startswith("mpi") and o["rounds"] > z["rounds"]
+    assert rep["rates"]["1gbit"]["ratios"]["zoadam_rounds_vs_onebit"] == z["rounds"] / o["rounds"]
+    # DiLoCo over torchft: every outer step committed (one for H = 8, none for H = 32 in 8 steps)
+    assert runs["diloco-h8"]["syncs_committed"] == 1 and runs["diloco-h32"]["syncs_committed"] == 0
+    assert runs["diloco-h8"]["wire_bytes_sent_per_rank"] > runs["diloco-h32"]["wire_bytes_sent_per_rank"]
+    # validation on the fixed held-out set at steps 4 and 8, wall times without the evaluations
+    for name, r in runs.items():
+        assert [step for step, _, _ in r["val_curve"]] == [4, 8], name
+        assert 0 < r["val_curve"][0][1] < r["val_curve"][1][1] and r["eval_seconds"] > 0
+    ttq = rep["rates"]["1gbit"]["time_to_quality"]
+    assert ttq["target_val"] == runs["adam"]["val_curve"][1][2]  # Adam at the first evaluation >= 2/3 of 8
+    assert ttq["systems"]["adam"]["reached"] and ttq["systems"]["adam"]["ttq_speedup_vs_adam"] == 1.0
+    assert set(ttq["ranking"]) <= set(runs) and "adam" in ttq["ranking"]
+    assert (tmp_path / "n.quality.png").stat().st_size > 0
     # the ceiling is the slowest rank's speed: nothing paces the compute-only ranks otherwise
     assert len(runs["compute"]["steps_per_s_by_rank"]) == 2
     assert runs["compute"]["steps_per_s"] == min(runs["compute"]["steps_per_s_by_rank"])
