@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._bench_lm import _train_lm
+from ._bench_lm import _train_lm, _val_loss
 
 
 def _my_address(master: str) -> str:
@@ -107,11 +107,7 @@ def main(argv=None):
             losses.append(loss.item())
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 t0 = time.perf_counter()
-                with torch.no_grad():
-                    model.eval()
-                    val = sum(F.cross_entropy(model(a).flatten(0, 1), b.flatten()).item()
-                              for a, b in val_batches) / len(val_batches)
-                    model.train()
+                val = _val_loss(model, val_batches, None, None, 1, step)  # rank 0's own model
                 val_curve.append((step, t0 - stamps[1] - eval_s, val))
                 eval_s += time.perf_counter() - t0
                 eval_timed += (time.perf_counter() - t0) if start is not None else 0.0
