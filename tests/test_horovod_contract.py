@@ -312,7 +312,7 @@ def test_sparse_gradients_with_sparse_as_dense_cost_what_dense_ones_cost():
     """Thread-ranks, with overlap: an embedding with sparse gradients (densified) takes the rounds,
     bytes and parameters of a dense one, and no "gradients changed" warning."""
     def body(rank, transport, sparse):
-        with torch.random.fork_rng():
+        with common._INIT_LOCK, torch.random.fork_rng():  # thread-ranks share torch's global RNG
             torch.manual_seed(3)
             emb = torch.nn.Embedding(20, 4, sparse=sparse)
         opt = zoadam(emb, transport, sparse_as_dense=True, var_freeze_step=100, var_update_scaler=10 ** 6)
