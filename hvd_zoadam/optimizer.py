@@ -366,9 +366,7 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
                     server[lo:hi] = old.server_error[:hi - lo]
             worker, server = pool_error_feedback(worker, server, survivors, self.transport,
                                                  self._collectives.pool(index))
-            lo = self.transport.rank * ex.chunk_numel
-            ex.worker_error.copy_(worker)
-            ex.server_error.copy_(server[lo:lo + ex.chunk_numel])
+            ex.set_errors(worker, server)
         return survivors
 
     # -- Horovod's contract --------------------------------------------------------------------

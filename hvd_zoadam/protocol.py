@@ -210,6 +210,13 @@ class Exchange:
         self.worker_error.zero_()
         self.server_error.zero_()
 
+    def set_errors(self, worker: torch.Tensor, server: torch.Tensor) -> None:
+        """``worker_error`` <- ``worker`` and ``server_error`` <- this rank's chunk of ``server``
+        (both float32[padded_numel], in the bucket's global layout)."""
+        lo = self.transport.rank * self.chunk_numel
+        self.worker_error.copy_(worker)
+        self.server_error.copy_(server[lo:lo + self.chunk_numel])
+
     def prepare(self, y: torch.Tensor):
         """The whole exchange of ``y`` up to its packed result: a token for :meth:`finish`, or
         None when some rank's input is non-finite (every rank returns None together, and

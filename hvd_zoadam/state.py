@@ -111,9 +111,7 @@ class StateDictMixin:
                                      f"{name!r} of {z - a} elements there: load a checkpoint of this model")
                 worker[a:z] = saved.to(worker.device)
                 server[a:z] = state["server_error"][pid].to(worker.device)
-            lo = self.transport.rank * ex.chunk_numel
-            ex.worker_error.copy_(worker)
-            ex.server_error.copy_(server[lo:lo + ex.chunk_numel])
+            ex.set_errors(worker, server)
         return True
 
     def __setstate__(self, state: dict) -> None:
