@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kinds
+from .hierarchical import HierarchicalExchange
 from .layout import make_buckets, scale_segments
 from .protocol import CollectiveNames, Exchange
 from .transport import Transport
@@ -58,12 +59,15 @@ class Engine:
         names_of_collectives: the :class:`~hvd_zoadam.protocol.CollectiveNames` of the buckets.
         bucket_cap_numel, scale_block_numel, sparse_as_dense, bias_correction,
         auto_exp_avg_mask: the optimizer's options of those names.
+        levels: ``(intra, cross)`` transports of the two-level exchange
+            (:func:`hvd_zoadam.hierarchical.node_levels`), or None for the flat one.
     """
 
     def __init__(self, optimizer, names: dict, user_masks: dict, transport: Transport,
                  names_of_collectives: CollectiveNames, *, bucket_cap_numel: int, scale_block_numel,
-                 sparse_as_dense: bool, bias_correction: bool, auto_exp_avg_mask: bool):
+                 sparse_as_dense: bool, bias_correction: bool, auto_exp_avg_mask: bool, levels=None):
         self._optimizer = weakref.ref(optimizer)  # the optimizer owns the engine: no cycle
+        self.levels = levels
         self.names = names
         self.user_masks = user_masks
         self.transport = transport
@@ -118,10 +122,14 @@ class Engine:
             for idx in make_buckets([p.numel() for p in params], self.bucket_cap_numel):
                 self.add_bucket(index, [params[i] for i in idx])
 
-    def _new_exchange(self, index: int, params: list) -> Exchange:
-        numels = [p.numel() for p in params]
-        return Exchange(scale_segments(numels, self.scale_block_numel), self.transport,
-                        self.collective_names.bucket(index), device=self.device)
+    def _new_exchange(self, index: int, params: list):
+        """The bucket's :class:`~hvd_zoadam.protocol.Exchange`, or its
+        :class:`~hvd_zoadam.hierarchical.HierarchicalExchange` when ``levels`` is set."""
+        segments = scale_segments([p.numel() for p in params], self.scale_block_numel)
+        name = self.collective_names.bucket(index)
+        if self.levels is not None:
+            return HierarchicalExchange(segments, self.transport, self.levels, name, device=self.device)
+        return Exchange(segments, self.transport, name, device=self.device)
 
     def add_bucket(self, group_index: int, params: list) -> None:
         """A new bucket of ``params``: zeroed m and v, the anchor at the current x."""
@@ -199,7 +207,12 @@ class Engine:
             layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(b.names, b.params)]
             items[f"bucket{i}"] = short_digest((b.group_index, layout)) if len(layout) > 64 else layout
         items["buckets"] = len(self.buckets)
+        items["hierarchical"] = self.topology()
         return items
+
+    def topology(self):
+        """``[nodes, ranks per node]`` of the two-level exchange, or None for the flat one."""
+        return None if self.levels is None else [self.levels[1].world_size, self.levels[0].world_size]
 
     # -- per-step access to flat data -----------------------------------------------------------
     def hyper(self, b: Bucket, step: int, exp_avg_sq_steps: int) -> kinds.Hyper:

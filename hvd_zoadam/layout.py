@@ -77,3 +77,26 @@ def scale_segments(numels, block_numel: int | None) -> list[int]:
             out.append(min(n, block_numel))
             n -= block_numel
     return [n for n in out if n > 0]
+
+
+def node_shards(numel: int, local_size: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of each local rank's shard of a bucket in the two-level exchange: L
+    consecutive ranges of ``ceil(numel / L)`` elements (the last ones shorter, or empty when
+    ``numel < L``). Local rank l reduces, compresses and gathers shard l (algorithm.md §3,
+    "Two levels")."""
+    numel = _as_int(numel, "numel", 0)
+    local_size = _as_int(local_size, "local_size", 1)
+    width = -(-numel // local_size)
+    return [(min(numel, l * width), min(numel, (l + 1) * width)) for l in range(local_size)]
+
+
+def shard_segments(offsets, lo: int, hi: int) -> list[int]:
+    """The scale segments of the range ``[lo, hi)`` of a bucket whose segments start at
+    ``offsets`` (:func:`segment_offsets`): each segment cut at the range's ends, empty ones
+    left out. A block that a shard boundary cuts gets one scale on each side."""
+    out = []
+    for a, b in zip(offsets, offsets[1:]):
+        n = min(b, hi) - max(a, lo)
+        if n > 0:
+            out.append(n)
+    return out

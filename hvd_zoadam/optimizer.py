@@ -27,6 +27,7 @@ from .engine import Engine
 from .options import (ADOPT_KEY, STATE_KEY, check_arguments, check_group, check_horovod_arguments,
                       check_named_parameters)
 from .overlap import Overlap
+from .hierarchical import node_levels
 from .protocol import (Average, CollectiveNames, check_layout, exchange_buckets, grads_changed_anywhere,
                        pool_error_feedback)
 from .schedule import Schedule, StepKind
@@ -81,7 +82,7 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
                  scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
                  precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True,
-                 algorithm: str = "zoadam"):
+                 algorithm: str = "zoadam", hierarchical=False):
         self._ready = False
         # Not super(): built by DistributedOptimizer, this class sits before the wrapped
         # torch.optim.Adam/AdamW in the MRO, and their __init__ must not run (as in Horovod).
@@ -109,7 +110,8 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         self._engine = Engine(self, self._names, self._resolve_masks(exp_avg_mask),
                               transport, self._collectives, bucket_cap_numel=bucket_cap_numel,
                               scale_block_numel=scale_block_numel, sparse_as_dense=sparse_as_dense,
-                              bias_correction=bias_correction, auto_exp_avg_mask=auto_exp_avg_mask)
+                              bias_correction=bias_correction, auto_exp_avg_mask=auto_exp_avg_mask,
+                              levels=node_levels(transport, hierarchical, self._collectives.prefix))
         self._average = self._new_average()
         self._hook_handles = []
         weakref.finalize(self, _remove_hooks, self._hook_handles)  # a dropped optimizer leaves no hook behind
@@ -606,9 +608,18 @@ class ZeroOneAdamOptimizer(StateDictMixin, torch.optim.Optimizer):
         ``rounds_total``, ``skipped_steps``, ``adam_equivalent_bytes`` (what
         ``hvd.DistributedOptimizer(torch.optim.Adam)`` at fp32 would have sent over the same
         steps: an allreduce of every trainable fp32 gradient per step), ``transport`` and
-        ``world_size``. Bytes follow the table in :mod:`hvd_zoadam.transport`.
+        ``world_size``. Bytes follow the table in :mod:`hvd_zoadam.transport`. With the
+        two-level exchange, ``hierarchical`` adds ``nodes``, ``ranks_per_node`` and the 1-bit
+        exchanges' bytes split into ``intra_node_bytes`` and ``inter_node_bytes`` (both also in
+        the totals; the full-precision averages are Horovod's and not split).
         """
-        return self._stats.report(self.transport.describe(), self.world_size)
+        out = self._stats.report(self.transport.describe(), self.world_size)
+        levels = self._engine.levels
+        if levels is not None:
+            out["hierarchical"] = {"nodes": levels[1].world_size, "ranks_per_node": levels[0].world_size,
+                                   "intra_node_bytes": levels[0].counter.total_bytes(),
+                                   "inter_node_bytes": levels[1].counter.total_bytes()}
+        return out
 
     def memory_bytes(self) -> dict:
         """Bytes this optimizer holds: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master
@@ -655,7 +666,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
                          bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
                          exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
-                         step_log=None, overlap=True, algorithm="zoadam"):
+                         step_log=None, overlap=True, algorithm="zoadam", hierarchical=False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam (or 1-bit Adam) optimizer that
     communicates through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
@@ -715,7 +726,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     gradient hooks start a VARIANCE step's allreduces and a COMPRESSED step's round 1 for
     each bucket as soon as all its gradients are ready, in a fixed bucket order, while the
     backward pass goes on; not under ``torch.amp.GradScaler``, whose scale is only known in
-    ``step()``. False: everything starts in ``synchronize()``. Same results either way).
+    ``step()``. False: everything starts in ``synchronize()``. Same results either way), and
+    ``hierarchical`` (``False``, the default; ``True``; or ``"auto"``: the two-level exchange of
+    algorithm.md §3 for nodes of several ranks: a full-precision reduce-scatter inside each
+    node, the 1-bit exchange of each shard among the nodes, an allgather inside the node; about
+    L times fewer bytes between nodes with L ranks per node. It needs ``transport="mpi"``
+    (``True`` under Horovod's collectives is a ValueError that says so) and the same number of
+    ranks on every node; nodes are MPI's shared-memory domains, or blocks of
+    ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks. ``"auto"`` turns it on where the transport
+    can split and there are several nodes of several ranks each).
 
     Every argument is checked before Horovod is (``hvd.init()`` called, this rank in
     ``process_set``), as ``hvd.DistributedOptimizer`` does.
@@ -754,6 +773,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
         groups=groups, sparse_as_dense=sparse_as_dense, bias_correction=bias_correction,
         local_step_policy=local_step_policy, scale_block_numel=scale_block_numel, bucket_cap_mb=bucket_cap_mb)
+    if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
+        raise ValueError(f"hierarchical must be False, True or 'auto', got {hierarchical!r}")
     if algorithm not in ("zoadam", "onebit"):
         raise ValueError(f"algorithm must be 'zoadam' (0/1 Adam) or 'onebit' (1-bit Adam), got {algorithm!r}")
     if algorithm == "onebit":
@@ -781,7 +802,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
         scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask),
         precondition_compression=bool(precondition_compression), step_log=step_log, overlap=bool(overlap),
-        algorithm=algorithm)
+        algorithm=algorithm, hierarchical=hierarchical)
 
 
 def OnebitAdam(optimizer, named_parameters=None, *, freeze_step, **kwargs):

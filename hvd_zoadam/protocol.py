@@ -93,6 +93,14 @@ class NonFiniteError(FloatingPointError):
     """A compressed allreduce met a NaN or Inf input on some rank; all ranks raise it together."""
 
 
+def step_mismatch(name: str, low: int, high: int) -> StepMismatchError:
+    """The error every rank raises when the exchange ``name`` met ranks at different steps."""
+    return StepMismatchError(
+        f"hvd_zoadam: the exchange '{name}' met ranks at different optimizer steps: steps {low} and {high}. "
+        "Every rank must call step() (or skip_synchronize()/synchronize() alike) at every iteration; restart "
+        "from the last checkpoint")
+
+
 def chunk_pieces(offsets, chunk_numel: int, world_size: int):
     """Which segments overlap each chunk: ``(lo, count)``, int lists of length P, so that chunk q
     (elements [q·C, (q+1)·C)) holds pieces of segments lo[q] .. lo[q] + count[q] − 1 (count 0
@@ -217,6 +225,15 @@ class Exchange:
         self.worker_error.copy_(worker)
         self.server_error.copy_(server[lo:lo + self.chunk_numel])
 
+    def error_contribution(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's share of what the bucket's error feedback owes, for
+        :func:`pool_error_feedback`: ``(worker_error, server_error at its chunk's place in the
+        global layout, zeros elsewhere, the number of worker errors in the job: P)``, float32[N]."""
+        server = torch.zeros(self.padded_numel, device=self.server_error.device)
+        lo = self.transport.rank * self.chunk_numel
+        server[lo:lo + self.chunk_numel] = self.server_error
+        return self.worker_error, server, self.transport.world_size
+
     def prepare(self, y: torch.Tensor):
         """The whole exchange of ``y`` up to its packed result: a token for :meth:`finish`, or
         None when some rank's input is non-finite (every rank returns None together, and
@@ -301,24 +318,28 @@ class Exchange:
         Raises:
             StepMismatchError: on every rank, when the ranks announced different steps.
         """
+        flag, low, high, result = self.gather_status(server_handle)
+        if flag == 2:
+            self.rollback()
+            raise step_mismatch(self.name, low, high)
+        return result
+
+    def gather_status(self, server_handle):
+        """:meth:`gather` without raising: ``(flag, lowest step, highest step, result)``, with
+        the flag of the first server that raised one (0: none; 1: a non-finite scale; 2: ranks at
+        different steps) and ``result`` None unless the flag is 0."""
         p, s = self.transport.world_size, self.max_pieces
         gathered = self.transport.wait(server_handle).view(p, self._m3)
         head = gathered[:, :12].contiguous().view(torch.int32)
         flags = head[:, 0].tolist()
-        if 2 in flags:
-            self.rollback()
-            q = flags.index(2)
-            raise StepMismatchError(
-                f"hvd_zoadam: the exchange '{self.name}' met ranks at different optimizer steps: steps "
-                f"{int(head[q, 1])} and {int(head[q, 2])}. Every rank must call step() (or "
-                "skip_synchronize()/synchronize() alike) at every iteration; restart from the last checkpoint")
         if any(flags):
-            return None
+            q = flags.index(2) if 2 in flags else next(i for i, f in enumerate(flags) if f)
+            return flags[q], int(head[q, 1]), int(head[q, 2]), None
         packed = gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8].reshape(-1)
         server_scales = torch.zeros(p, self.nseg + 1, dtype=torch.float32, device=self.device)
         if s:
             server_scales.scatter_(1, self._idx, gathered[:, 12:12 + 4 * s].contiguous().view(torch.float32))
-        return packed, server_scales[:, :self.nseg].contiguous()
+        return 0, int(head[0, 1]), int(head[0, 2]), (packed, server_scales[:, :self.nseg].contiguous())
 
     def commit(self) -> None:
         """The exchange is not skipped: the staged error becomes ``worker_error`` (the two
@@ -461,7 +482,7 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
     ``fill(bucket, buf)`` writes the input into the padded float32 ``buf``; ``consume(bucket, w)``
     receives the float32[n] result, or, when P > 1 and ``consume_packed`` is given,
     ``consume_packed(bucket, packed, server_scales)`` receives it still packed (a fused kernel
-    then unpacks it). No error buffer changes and nothing is consumed until every bucket's
+    then unpacks it; a two-level exchange's result always goes to ``consume``). No error buffer changes and nothing is consumed until every bucket's
     round 2 is in, so a non-finite input anywhere skips every bucket (algorithm.md §5). At P > 1 each bucket
     is filled once, into its exchange's own input buffer, which the worker side turns into the
     new error; at P = 1 with several buckets the scratch ``scratch_g`` is filled again for the
@@ -495,7 +516,9 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
         return False
     for b, result in zip(buckets, results):
         b.exchange.commit()
-        if consume_packed is not None:
+        if isinstance(result, torch.Tensor):  # the two-level exchange hands over C(y) unpacked
+            consume(b, result)
+        elif consume_packed is not None:
             consume_packed(b, *result)
         else:
             consume(b, native.decompress(*result, b.exchange.plan, w[:b.numel]))

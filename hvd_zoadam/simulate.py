@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .layout import padded_numel, scale_segments, segment_offsets
+from .layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
 from .native import reference
 from .schedule import Schedule, StepKind
 
@@ -61,9 +61,56 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
     return reference.decompress(torch.cat(server_packed), torch.stack(server_scales), offsets, n)
 
 
+def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_per_node, numels=None):
+    """The two-level C_2(y) of :mod:`hvd_zoadam.hierarchical` over P = N·L simulated workers.
+
+    Rank r is local rank r mod L of node r // L. Local rank l's shard (``node_shards``) is
+    averaged over its node in float32 (the sum in local-rank order, then divided by L), and the
+    N node averages go through :func:`simulate_compressed_allreduce` with the segments cut at
+    the shard's ends.
+
+    Args:
+        inputs: P float32 tensors of n elements.
+        worker_errors, server_errors: P float32 tensors each, rank r's buffers of its shard's
+            exchange: ``padded_numel(len_l, N)`` and that over N elements; updated in place.
+        ranks_per_node: L (dividing P).
+        numels: segment sizes of the bucket (default: one segment of n).
+
+    Returns:
+        float32[n], the common result; or None when some node average is non-finite (then no
+        buffer changes).
+    """
+    world_size, local = len(inputs), ranks_per_node
+    nodes, n = world_size // local, inputs[0].numel()
+    offsets = segment_offsets(numels if numels is not None else [n])
+    out = torch.zeros(n)
+    staged = []
+    for l, (lo, hi) in enumerate(node_shards(n, local)):
+        if hi == lo:
+            continue
+        averages = []
+        for a in range(nodes):
+            total = inputs[a * local][lo:hi].reshape(-1).float().clone()
+            for j in range(1, local):
+                total += inputs[a * local + j][lo:hi].reshape(-1).float()
+            averages.append(total / local)
+        ranks = [a * local + l for a in range(nodes)]
+        we, se = [worker_errors[r].clone() for r in ranks], [server_errors[r].clone() for r in ranks]
+        result = simulate_compressed_allreduce(averages, we, se, shard_segments(offsets, lo, hi))
+        if result is None:
+            return None
+        out[lo:hi] = result
+        staged += list(zip(ranks, we, se))
+    for r, we, se in staged:
+        worker_errors[r].copy_(we)
+        server_errors[r].copy_(se)
+    return out
+
+
 def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
-                    precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None):
+                    precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
+                    ranks_per_node=None):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -86,6 +133,8 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
             β2^(k+1))/sqrt(1 − β2) (``inf``: no bound; 1/sqrt(P): the bound without its sqrt(P)).
         trace: a list that receives, per COMPRESSED and SYNC step, a dict of the step, its
             kind, the mean worker and server error norms and the norm of the exchanged result.
+        ranks_per_node: L for the two-level exchange (:func:`simulate_hierarchical_allreduce`,
+            the optimizer's ``hierarchical=True`` with nodes of L consecutive ranks); None: flat.
 
     Returns:
         (xs, kinds): per rank the final list of parameter tensors, and the list of step kinds.
@@ -102,6 +151,11 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
     anchor = torch.zeros(n)
     we = [torch.zeros(big_n) for _ in range(world_size)]
     se = [torch.zeros(chunk) for _ in range(world_size)]
+    if ranks_per_node is not None:
+        nodes, shards = world_size // ranks_per_node, node_shards(n, ranks_per_node)
+        we = [torch.zeros(padded_numel(hi - lo, nodes)) for lo, hi in (shards[r % ranks_per_node]
+                                                                      for r in range(world_size))]
+        se = [torch.zeros(w.numel() // nodes) for w in we]
     k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
 
     def flat_grads(t):
@@ -122,6 +176,8 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
     def exchange(inputs, phase, t):
         if phase in exact:
             out = sum(inputs[1:], inputs[0].clone()) / world_size
+        elif ranks_per_node is not None:
+            out = simulate_hierarchical_allreduce(inputs, we, se, ranks_per_node, segments)
         else:
             out = simulate_compressed_allreduce(inputs, we, se, segments, server_exact=server_exact)
         if trace is not None:
@@ -134,10 +190,17 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
 
     def mask_errors(mask):
         for r in range(world_size):
-            we[r][:n].mul_(mask)
-            lo, hi = r * chunk, min(n, (r + 1) * chunk)
+            if ranks_per_node is not None:  # rank r's buffers are those of its shard's exchange
+                s_lo, s_hi = shards[r % ranks_per_node]
+                own, node, width = mask[s_lo:s_hi], r // ranks_per_node, se[r].numel()
+                we[r][:s_hi - s_lo].mul_(own)
+                lo, hi = node * width, min(s_hi - s_lo, (node + 1) * width)
+            else:
+                own = mask
+                we[r][:n].mul_(mask)
+                lo, hi = r * chunk, min(n, (r + 1) * chunk)
             if hi > lo:
-                se[r][:hi - lo].mul_(mask[lo:hi])
+                se[r][:hi - lo].mul_(own[lo:hi])
 
     def momentum(r, grad, denom, lr, bc1, mask):
         if decoupled and has_decay:

@@ -29,7 +29,7 @@ class StateDictMixin:
         :mod:`hvd_zoadam.checkpoint` for files.
         """
         return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
-                "layout": self._collectives.layout_digest,
+                "layout": self._collectives.layout_digest, "hierarchical": self._engine.topology(),
                 "buckets": [{"worker_error": b.exchange.worker_error.to("cpu", copy=True),
                              "server_error": b.exchange.server_error.to("cpu", copy=True)} for b in self._buckets]}
 
@@ -43,6 +43,7 @@ class StateDictMixin:
         usable = (rank_state is not None and rank_state.get("world_size") == self.world_size
                   and rank_state.get("rank") == self.transport.rank
                   and rank_state.get("layout") == self._collectives.layout_digest
+                  and rank_state.get("hierarchical") == self._engine.topology()
                   and len(rank_state.get("buckets", ())) == len(self._buckets))
         for i, b in enumerate(self._buckets):
             if usable:
@@ -67,11 +68,8 @@ class StateDictMixin:
         ids = {p: i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
         state = {"version": 1, "world_size": self.world_size, "names": {}, "worker_error": {}, "server_error": {}}
         for index, b in enumerate(self._buckets):
-            ex = b.exchange
-            server = torch.zeros(ex.padded_numel, device=ex.server_error.device)
-            lo = self.transport.rank * ex.chunk_numel
-            server[lo:lo + ex.chunk_numel] = ex.server_error
-            worker, server = pool_error_feedback(ex.worker_error, server, self.world_size, self.transport,
+            worker, server, contributors = b.exchange.error_contribution()
+            worker, server = pool_error_feedback(worker, server, contributors, self.transport,
                                                  self._collectives.pool(index))
             offsets = segment_offsets(p.numel() for p in b.params)
             for p, name, a, z in zip(b.params, b.names, offsets, offsets[1:]):

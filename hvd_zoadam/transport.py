@@ -53,16 +53,34 @@ def default_timeout_s() -> float:
 
 
 class CommCounter:
-    """Bytes sent and rounds, per step kind (a string key such as ``"variance"``)."""
+    """Bytes sent and rounds, per step kind (a string key such as ``"variance"``).
 
-    def __init__(self):
+    A counter with a ``parent`` (the counter of a transport split from the job's, see
+    :meth:`Transport.node_split`) takes its kind from the parent and adds every count to it
+    as well, so the parent's totals stay complete."""
+
+    def __init__(self, parent: "CommCounter | None" = None):
         self.bytes_sent = defaultdict(float)  # fractional per call; rounded when reported
         self.rounds = defaultdict(int)
-        self.kind = "other"
+        self.parent = parent
+        self._kind = "other"
+
+    @property
+    def kind(self) -> str:
+        return self.parent.kind if self.parent is not None else self._kind
+
+    @kind.setter
+    def kind(self, value: str) -> None:
+        self._kind = value
 
     def add(self, nbytes: float, rounds: int = 1):
         self.bytes_sent[self.kind] += nbytes
         self.rounds[self.kind] += rounds
+        if self.parent is not None:
+            self.parent.add(nbytes, rounds)
+
+    def total_bytes(self) -> int:
+        return int(round(sum(self.bytes_sent.values())))
 
 
 @dataclass
@@ -172,6 +190,57 @@ class Transport:
 
     def describe(self) -> str:
         return self.name
+
+    def node_split(self, name: str) -> tuple["Transport", "Transport"]:
+        """``(intra, cross)``: the collectives among this node's ranks (rank = local rank) and
+        among the ranks with this rank's local rank on every node (rank = node index), for the
+        two-level exchange (algorithm.md §3, "Two levels"). Every rank must call it, in the same
+        order. Counts go to this transport's counter too.
+
+        Raises:
+            ValueError: this transport cannot be split, or the nodes hold different numbers of
+                ranks (both counts named).
+        """
+        raise ValueError(f"hierarchical=True needs transport='mpi' or thread ranks; the {self.name!r} "
+                         "transport cannot be split by node. Launch under MPI (mpirun, or horovodrun "
+                         "--mpi) with mpi4py installed, or pass hierarchical=False")
+
+
+def ranks_per_node_override() -> int | None:
+    """``HVD_ZOADAM_RANKS_PER_NODE`` as an int (None when unset): nodes are then blocks of that
+    many consecutive ranks, whatever the launcher says (tests on one host; clusters whose
+    "node" for the two-level exchange is a socket or a switch).
+
+    Raises:
+        ValueError: not a positive integer.
+    """
+    value = os.environ.get("HVD_ZOADAM_RANKS_PER_NODE")
+    if value is None or value == "":
+        return None
+    try:
+        out = int(value)
+    except ValueError:
+        out = 0
+    if out <= 0:
+        raise ValueError(f"HVD_ZOADAM_RANKS_PER_NODE must be a positive integer, got {value!r}")
+    return out
+
+
+def check_uniform_nodes(local_sizes: list, world_size: int) -> int:
+    """The common number of ranks per node, from every rank's count (in rank order).
+
+    Raises:
+        ValueError: the counts differ (two of them named) or do not divide the world size.
+    """
+    first = local_sizes[0]
+    for rank, size in enumerate(local_sizes):
+        if size != first:
+            raise ValueError(f"hierarchical=True needs the same number of ranks on every node: rank 0's node has "
+                             f"{first}, rank {rank}'s has {size}. Launch the same number of ranks per node "
+                             "(mpirun --map-by ppr:L:node), or pass hierarchical=False")
+    if world_size % first:
+        raise ValueError(f"hierarchical=True: {first} ranks per node do not divide the world size {world_size}")
+    return first
 
 
 class HorovodTransport(Transport):
@@ -381,6 +450,28 @@ class MPITransport(HorovodTransport):
         cuda = "" if self.cuda_aware is None else (", CUDA-aware" if self.cuda_aware else ", staged via host")
         return f"mpi (mpi4py on Horovod's MPI world{cuda})"
 
+    def node_split(self, name: str) -> tuple["Transport", "Transport"]:
+        """See :meth:`Transport.node_split`. Nodes are the shared-memory domains MPI reports
+        (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``), or blocks of
+        ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks (:func:`ranks_per_node_override`); the
+        cross-node communicator orders the nodes by their lowest rank. Collective over the
+        process set's ranks (MPI ``Split``s, made once per process set)."""
+        if self._comm is None:
+            self._comm = _mpi_comm(self.process_set)
+        comm, forced = self._comm, ranks_per_node_override()
+        key = (tuple(self.process_set.ranks), forced)
+        comms = _mpi_split_comms.get(key)
+        if comms is None:
+            if forced is not None:
+                node = comm.Split(color=comm.Get_rank() // forced, key=comm.Get_rank())
+            else:
+                node = comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+            check_uniform_nodes(comm.allgather(node.Get_size()), comm.Get_size())
+            lowest = node.allreduce(comm.Get_rank(), op=self._MPI.MIN)
+            comms = _mpi_split_comms[key] = (node, comm.Split(color=node.Get_rank(), key=lowest))
+        return (MPICommTransport(comms[0], self.timeout_s, self.counter),
+                MPICommTransport(comms[1], self.timeout_s, self.counter))
+
     def _host(self, tensor, key, send: bool):
         """(tensor to hand MPI, device tensor to copy the result back into, or None).
 
@@ -447,12 +538,41 @@ class MPITransport(HorovodTransport):
         return handle.recv
 
 
+class MPICommTransport(MPITransport):
+    """``alltoall`` and ``allgather`` over mpi4py on a communicator split from the job's
+    (:meth:`MPITransport.node_split`); its counts also go to ``parent_counter``."""
+
+    def __init__(self, comm, timeout_s: float, parent_counter: CommCounter):
+        Transport.__init__(self, comm.Get_rank(), comm.Get_size())
+        from mpi4py import MPI
+        self._MPI, self._comm, self.cuda_aware, self._pinned = MPI, comm, None, {}
+        self.timeout_s, self.process_set = timeout_s, None
+        self.counter = CommCounter(parent_counter)
+
+    def _start(self, op, tensor, name):
+        if op == "allreduce":
+            raise NotImplementedError("a split communicator carries the two-level exchange's alltoall and "
+                                      "allgather only")
+        return super()._start(op, tensor, name)
+
+    def allgather_object(self, obj, name):
+        return self._comm.allgather(obj)
+
+
+_mpi_split_comms = {}  # (process set ranks, HVD_ZOADAM_RANKS_PER_NODE) -> (node comm, cross-node comm)
+
+
 class ThreadGroup:
     """Shared state of P :class:`ThreadTransport` ranks living in one process."""
 
-    def __init__(self, world_size: int, timeout_s: float = 60.0):
+    def __init__(self, world_size: int, timeout_s: float = 60.0, ranks_per_node: int | None = None):
+        """``ranks_per_node``: the simulated topology for :meth:`ThreadTransport.node_split`
+        (nodes are blocks of that many consecutive ranks; default: one node)."""
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
+        self._subgroups = {}  # ("node", i) / ("cross", local rank) -> ThreadGroup
+        self._lock = threading.Lock()
         self.barrier = threading.Barrier(world_size, timeout=timeout_s)
         self.slots = [None] * world_size
         # Nonblocking collectives, matched by name like Horovod's: the k-th start of a name on
@@ -468,6 +588,15 @@ class ThreadGroup:
             self.aborted = True
             self.cond.notify_all()
         self.barrier.abort()
+        for sub in list(self._subgroups.values()):
+            sub.abort()
+
+    def subgroup(self, key, size: int) -> "ThreadGroup":
+        """The shared sub-group ``key`` of ``size`` ranks (made by the first rank to ask)."""
+        with self._lock:
+            if key not in self._subgroups:
+                self._subgroups[key] = ThreadGroup(size, self.timeout_s)
+            return self._subgroups[key]
 
     def transports(self) -> list["ThreadTransport"]:
         return [ThreadTransport(self, r) for r in range(self.world_size)]
@@ -531,6 +660,18 @@ class ThreadTransport(Transport):
 
     def allgather_object(self, obj, name):
         return self._exchange(obj)
+
+    def node_split(self, name: str) -> tuple["Transport", "Transport"]:
+        """See :meth:`Transport.node_split`: nodes are blocks of the group's ``ranks_per_node``."""
+        g = self.group
+        local = check_uniform_nodes([g.ranks_per_node] * (self.world_size // g.ranks_per_node or 1),
+                                    self.world_size)
+        nodes = self.world_size // local
+        node, local_rank = divmod(self.rank, local)
+        intra = ThreadTransport(g.subgroup((name, "node", node), local), local_rank)
+        cross = ThreadTransport(g.subgroup((name, "cross", local_rank), nodes), node)
+        intra.counter, cross.counter = CommCounter(self.counter), CommCounter(self.counter)
+        return intra, cross
 
 
 def make_transport(transport, process_set=None) -> Transport:
