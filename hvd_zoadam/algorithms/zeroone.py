@@ -53,7 +53,7 @@ class ZeroOneAdam:
         """(s, clip) of bucket ``b`` for the preconditioned exchange of a COMPRESSED step, or None.
 
         With ``precondition_compression`` the exchange runs on y = g/s (s = sqrt(v̂) + eps,
-        identical on all ranks), clipped to |y| <= sqrt(P)·sqrt(1 − β2^(k+1)) / sqrt(1 − β2)
+        identical on all ranks), clipped to |y| <= sqrt(P) / sqrt(1 − β2)
         (:func:`hvd_zoadam.kinds.normalized_gradient_bound`), and the result is multiplied
         back by s. Each coordinate's compression error then scales with its own s,
         and a coordinate whose gradient appears after v was last updated cannot blow up the
@@ -63,7 +63,7 @@ class ZeroOneAdam:
             return None
         k = counters["exp_avg_sq_steps"]
         h = engine.hyper(b, step, k)
-        return kinds.adam_denom(b.exp_avg_sq, h), kinds.normalized_gradient_bound(h, k, engine.transport.world_size)
+        return kinds.adam_denom(b.exp_avg_sq, h), kinds.normalized_gradient_bound(h, engine.transport.world_size)
 
     @staticmethod
     def fill_compressed(engine, b, buf, pre) -> None:
@@ -118,8 +118,7 @@ class ZeroOneAdam:
             if self.precondition_compression:
                 # v is frozen: bound |g|/s as Adam would once v had seen g (see compressed_pre)
                 native.clamp_by(g[:b.numel], denom,
-                                kinds.normalized_gradient_bound(h, ctx.counters["exp_avg_sq_steps"],
-                                                                engine.transport.world_size))
+                                kinds.normalized_gradient_bound(h, engine.transport.world_size))
             kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, engine.mask_of(b))
         return x
 
