@@ -328,3 +328,61 @@ def test_mpi_training_runs_equal_the_simulation_flat_and_two_level(mpi_job):
     for o in owed[1:]:
         assert all(torch.equal(o["worker_error"][k], owed[0]["worker_error"][k]) for k in o["worker_error"])
         assert all(torch.equal(o["server_error"][k], owed[0]["server_error"][k]) for k in o["server_error"])
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def test_pooled_error_feedback_of_a_two_level_run_keeps_what_the_job_owes():
+    """After 16 steps at 2 nodes × 2 ranks: ``error_feedback_state()`` holds the mean over nodes of
+    each node's worker error (its ranks' shards put together) and every server chunk in place.
+    Loaded back into the two levels, each rank's server chunk is its own again and its worker
+    error the mean's shard; loaded into a flat world of 2 every rank holds the mean."""
+    nodes, local = 2, 2
+    got = _train(4, local, steps=16)
+    opts = [g[4] for g in got]
+    n = opts[0]._buckets[0].numel
+    shards = node_shards(n, local)
+
+    def pooled(rank, transport):
+        return opts[rank].error_feedback_state()
+    states = run_threads(4, pooled, ranks_per_node=local)  # collective: the thread transports of _train
+    state = states[0]
+    flat = lambda d: torch.cat([d[k] for k in sorted(d)])  # noqa: E731  (pids in order = bucket order)
+    worker, server = flat(state["worker_error"]), flat(state["server_error"])
+    want_w = torch.zeros(n, dtype=torch.float64)
+    want_s = torch.zeros(n)
+    for r, o in enumerate(opts):
+        ex = o._buckets[0].exchange
+        lo, hi = shards[r % local]
+        want_w[lo:hi] += ex.worker_error[:hi - lo].double()
+        a = (r // local) * ex.inner.chunk_numel
+        b = min(hi - lo, a + ex.inner.chunk_numel)
+        want_s[lo + a:lo + b] = ex.server_error[:b - a]
+    assert bool(worker.any()) and bool(server.any())
+    assert torch.equal(worker, (want_w / nodes).float()) and torch.equal(server, want_s)
+    assert all(torch.equal(flat(s["worker_error"]), worker) for s in states)
+    for o in opts:
+        ex = o._buckets[0].exchange
+        before = ex.server_error.clone()
+        o.load_error_feedback(state)
+        lo, hi = ex.lo, ex.hi
+        assert torch.equal(ex.server_error, before)
+        assert torch.equal(ex.worker_error[:hi - lo], worker[lo:hi])
+
+    def load_flat(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
+                                              named_parameters=model.named_parameters(), transport=transport, **KNOBS)
+        opt.load_error_feedback(state)
+        return opt._buckets[0].exchange.worker_error[:n].clone()
+    assert all(torch.equal(w, worker) for w in run_threads(2, load_flat))
+
+
+def test_rank_files_restore_only_into_the_same_topology():
+    got = _train(4, 2, steps=10)
+    saved = got[1][4].rank_state_dict()
+    assert saved["hierarchical"] == [2, 2]
+    ex = got[1][4]._buckets[0].exchange
+    want = ex.worker_error.clone()
+    assert got[1][4].load_rank_state_dict(saved) and torch.equal(ex.worker_error, want)
+    assert not got[1][4].load_rank_state_dict(dict(saved, hierarchical=None))
+    assert not bool(ex.worker_error.any())

@@ -108,3 +108,33 @@ def test_a_host_link_down_mid_training_ends_the_job_and_a_restart_finishes(tmp_p
         assert rec["since_down"] < 10 + 15, rec
     assert "resume rc=0" in proc.stdout, out[-3000:]
     assert json.loads((tmp_path / "resumed.json").read_text()) == {"first": 9, "last": 30, "step": 30}
+
+
+def test_two_level_exchange_halves_the_bytes_between_two_hosts_of_two_ranks(tmp_path):
+    """2 hosts × 2 ranks under mpirun: over the same 24 steps after the freeze, each host's veth TX
+    bytes with hierarchical=True are at most 0.55× those of the flat exchange (ideal: 1/2), the
+    split is by host, and the parameters are bitwise equal on all four ranks after every sync."""
+    from hvd_zoadam.netsim import Network
+    tag = f"zt{os.getpid()}2"
+    sent = {}
+    with Network(2, "1gbit", tag) as net:
+        hosts = ",".join(f"{a}:2" for a in net.addresses)
+        for mode in ("flat", "two-level"):
+            out = tmp_path / mode
+            out.mkdir()
+            cmd = ["mpirun", *net.mpirun_args(), "-H", hosts, "-np", "4", "-x", "PATH", "-x", "PYTHONUNBUFFERED",
+                   "-x", "OMP_NUM_THREADS", "-x", "NUMBA_NUM_THREADS", sys.executable,
+                   str(ROOT / "tests/mp/worker_hier_net.py"), mode, str(out)]
+            env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+                       PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+            proc = net.run(cmd, timeout_s=300, env=env, capture_output=True, text=True, cwd=ROOT)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+            assert len({r["host"] for r in ranks}) == 2 and all(r["syncs"] >= 4 for r in ranks)
+            sent[mode] = {r["host"]: r["tx_bytes"] for r in ranks if r["local_rank"] == 0}
+            if mode == "two-level":
+                assert all(r["hierarchical"]["nodes"] == 2 and r["hierarchical"]["ranks_per_node"] == 2
+                           for r in ranks)
+    assert leftover(tag) == []
+    for host, flat in sent["flat"].items():
+        assert sent["two-level"][host] <= 0.55 * flat, (host, sent)
