@@ -106,11 +106,19 @@ def test_alpha_beta_model_formulas_and_projection():
         bits = step_time("zoadam", n=1e6, p=p, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0, frac={"sync": 1.0})
         assert step_time("zoadam", n=1e6, p=p, bandwidth_bps=1e8, latency_s=0.0, compute_s=0.0, frac={"sync": 1.0},
                          scale_block_numel=2048) == pytest.approx(bits * (1 + 32 / 2048))
+    # nodes of L ranks: the flat exchange sends L·2(P−L)/P of the bits per node, the two-level one
+    # what one rank of a flat exchange among the N = P/L nodes sends
+    from hvd_zoadam.bench import exchange_node_bytes
+    assert exchange_node_bytes("zoadam", n=8e6, p=64, ranks_per_node=8) == pytest.approx(8 * 2 * 56 / 64 * 1e6)
+    assert exchange_node_bytes("zoadam-2level", n=8e6, p=64, ranks_per_node=8) == pytest.approx(2 * 7 / 8 * 1e6)
+    assert exchange_node_bytes("zoadam", n=8e6, p=2) == exchange_node_bytes("zoadam-2level", n=8e6, p=2)
     rep = bench("model")
     rows = rep["bert_large"]["rows"]
-    assert {(r["gbit_per_s"], r["workers"]) for r in rows} == {(g, w) for g in (10, 40, 100) for w in (16, 32, 64, 128)}
+    assert {(r["gbit_per_s"], r["workers"]) for r in rows} == {(g, w) for g in (10, 40, 100)
+                                                              for w in (16, 32, 64, 128, 256, 512, 1024)}
     for r in rows:
-        assert r["zoadam_s"] <= r["1bit-adam_s"] <= r["adam-fp16_s"]
+        assert r["zoadam-2level_s"] <= r["zoadam_s"] <= r["1bit-adam_s"] <= r["adam-fp16_s"]
+        assert r["zoadam-2level_node_MB_per_step"] < r["zoadam_node_MB_per_step"] / 4
 
 
 def test_bench_kernels_refuses_cuda_without_a_gpu():
