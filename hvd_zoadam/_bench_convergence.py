@@ -4,15 +4,18 @@ The char LM of examples/train_lm.py (same model, data, per-rank batches, learnin
 schedule and 0/1 Adam knobs as ``train_lm.py`` defaults) trained on P simulated workers in
 one process by the in-process oracle :func:`hvd_zoadam.simulate.simulate_zoadam`, which can
 switch one factor off at a time: the 1-bit exchange of the compressed steps or of the sync
-steps (replaced by the exact average), the server side's recompression, the bound on
-|g|/s (``no-clip``; ``unscaled-bound``: without its factor sqrt(P)), the compression domain,
-the automatic mask, local steps, the freeze. The baseline
-is AdamW on the exact average of the P gradients (what ``hvd.DistributedOptimizer`` does).
+steps (replaced by the exact average), the server side's recompression, the bound on |g|/s
+(``no-clip``; ``unscaled-bound``: without its factor sqrt(P); ``k-bound``: the earlier bound,
+tied to the number k of variance updates), the compression domain, the automatic mask, local
+steps, the freeze; or change the exchange (``two-level``: nodes of 2 ranks). The baseline is
+AdamW on the exact average of the P gradients (what ``hvd.DistributedOptimizer`` does).
 
 Prints (and with ``--json`` writes) one JSON object: the settings, and per variant the final
 validation loss (the mean over ranks of each rank's model, on the same fixed batches as
-``train_lm.py``), its gap to Adam, and the time it took. Bytes are not simulated: the real
-job's ``comm_stats()`` counts them (see README).
+``train_lm.py``), its gap to Adam, and the time it took. With ``--eval-every k`` also the
+validation curve (the same mean every k steps) and ``steps_to_target``, the first evaluated
+step at or below ``target_val_loss``: Adam's loss at its first evaluation at or after 2/3 of
+the steps. Bytes are not simulated: the real job's ``comm_stats()`` counts them (see README).
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ VARIANTS = {
     "server-exact": ({"server_exact": True}, {}),
     "no-clip": ({"clip_scale": math.inf}, {}),
     "unscaled-bound": ({"clip_scale": "1/sqrt_p"}, {}),
+    "k-bound": ({"clip_scale": "k"}, {}),
+    "two-level": ({"ranks_per_node": 2}, {}),
     "paper-domain": ({"precondition": False}, {}),
     "paper-raw": ({"precondition": False, "auto_mask": False}, {}),
     "no-local-steps": ({}, {"local_step_clipper": 1}),
@@ -53,12 +58,18 @@ def _lm(train_lm, args):
     return model, data[:split], data[split:]
 
 
-def _grad_fn(model, names, train_data, args, train_lm):
-    """Rank r's gradient at its parameters, from its own batch stream (seed·1000 + r, as train_lm)."""
+def _grad_fn(model, names, train_data, args, train_lm, curve=None, val_data=None):
+    """Rank r's gradient at its parameters, from its own batch stream (seed·1000 + r, as train_lm).
+
+    ``curve`` (a dict, with ``args.eval_every`` k > 0): before the gradient of step t with
+    t − 1 a multiple of k, rank r's validation loss is appended to ``curve[t − 1]``."""
     gens = [torch.Generator().manual_seed(args.seed * 1000 + r) for r in range(args.ranks)]
     params = dict(model.named_parameters())
+    every = getattr(args, "eval_every", 0)
 
     def grad_fn(step, rank, xs):
+        if curve is not None and every and step > 1 and (step - 1) % every == 0:
+            curve.setdefault(step - 1, []).append(_val_loss(model, names, [xs], val_data, args, train_lm))
         with torch.no_grad():
             for name, x in zip(names, xs):
                 params[name].copy_(x)
@@ -123,14 +134,17 @@ def run(args, train_lm) -> dict:
         runs = ["adam"] + runs
     for name in runs:
         start = time.perf_counter()
+        curve = {}
+        grad_fn = _grad_fn(model, names, train_data, args, train_lm, curve, val_data)
         if name == "adam":
-            final = [_adam(model, names, init, _grad_fn(model, names, train_data, args, train_lm), lr_fn, decay_of,
-                           args)]
+            final = [_adam(model, names, init, grad_fn, lr_fn, decay_of, args)]
             trace = None
         else:
-            final, trace = _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_decay)
+            final, trace = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay)
         loss = _val_loss(model, names, final, val_data, args, train_lm)
         row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1)}
+        if curve:
+            row["curve"] = [[t, sum(v) / len(v)] for t, v in sorted(curve.items())] + [[args.steps, loss]]
         if trace:
             row["error_feedback"] = _summarise(trace)
         report["variants"][name] = row
@@ -139,10 +153,15 @@ def run(args, train_lm) -> dict:
     adam = report["variants"]["adam"]["val_loss"]
     for row in report["variants"].values():
         row["vs_adam"] = row["val_loss"] / adam - 1
+    if "curve" in report["variants"]["adam"]:
+        target = next(v for t, v in report["variants"]["adam"]["curve"] if t >= 2 * args.steps / 3)
+        report["target_val_loss"] = target
+        for row in report["variants"].values():
+            row["steps_to_target"] = next((t for t, v in row["curve"] if v <= target), None)
     return report
 
 
-def _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_decay):
+def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay):
     overrides, sched_overrides = VARIANTS[name]
     overrides = dict(overrides)
     if overrides.get("clip_scale") == "1/sqrt_p":  # the bound without its factor sqrt(P)
@@ -156,7 +175,7 @@ def _zoadam(name, model, names, init, train_data, args, train_lm, lr_fn, weight_
     schedule = Schedule(knobs["var_freeze_step"], knobs["var_update_scaler"], knobs["local_step_scaler"],
                         knobs["local_step_clipper"], knobs["local_step_policy"])
     trace = []
-    final, _ = simulate_zoadam(init, _grad_fn(model, names, train_data, args, train_lm), world_size=args.ranks,
+    final, _ = simulate_zoadam(init, grad_fn, world_size=args.ranks,
                                steps=args.steps, schedule=schedule, lr_fn=lr_fn, betas=(0.9, args.beta2),
                                weight_decay=weight_decay, decoupled=True, scale_block_numel=args.scale_block_numel,
                                trace=trace, **overrides)
@@ -209,4 +228,7 @@ def add_parser(sub) -> None:
     co.add_argument("--local-step-policy", default="lr")
     co.add_argument("--scale-block-numel", type=int, default=256)
     co.add_argument("--threads", type=int, default=2)
+    co.add_argument("--eval-every", type=int, default=0,
+                    help="validation loss every k steps, and the steps each variant needs to reach Adam's loss "
+                         "at 2/3 of the steps (0: the final loss only)")
     co.add_argument("--json")

@@ -130,8 +130,8 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
         server_exact: C(.) without the server side's recompression (see
             :func:`simulate_compressed_allreduce`).
         clip_scale: multiplies the bound on |g|/s of preconditioned steps, sqrt(P)/sqrt(1 − β2)
-            (``inf``: no bound; 1/sqrt(P): the bound without its sqrt(P); sqrt(1 − β2^(k+1))
-            after the freeze: the earlier bound, Adam's at its (k+1)-th update).
+            (``inf``: no bound; 1/sqrt(P): the bound without its sqrt(P); ``"k"``: times
+            sqrt(1 − β2^(k+1)), the earlier bound, Adam's at its (k+1)-th update of v).
         trace: a list that receives, per COMPRESSED and SYNC step, a dict of the step, its
             kind, the mean worker and server error norms and the norm of the exchanged result.
         ranks_per_node: L for the two-level exchange (:func:`simulate_hierarchical_allreduce`,
@@ -170,8 +170,11 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
         bc2 = 1 - beta2 ** max(k_, 1) if bias_correction else 1.0
         return (v.sqrt() / bc2 ** 0.5).add_(eps)
 
-    def bound(k_):  # kinds.normalized_gradient_bound (k_ unused: the bound is the same after any warm-up)
-        return math.sqrt(world_size) / math.sqrt(1 - beta2) * clip_scale
+    def bound(k_):  # kinds.normalized_gradient_bound
+        scale = clip_scale
+        if clip_scale == "k":  # the earlier bound, Adam's at its (k+1)-th update
+            scale = math.sqrt(1 - beta2 ** (k_ + 1)) if bias_correction else 1.0
+        return math.sqrt(world_size) / math.sqrt(1 - beta2) * scale
 
     def exchange(inputs, phase, t):
         if phase in exact:
