@@ -7,7 +7,8 @@ switch one factor off at a time: the 1-bit exchange of the compressed steps or o
 steps (replaced by the exact average), the server side's recompression, the bound on |g|/s
 (``no-clip``; ``unscaled-bound``: without its factor sqrt(P); ``k-bound``: the earlier bound,
 tied to the number k of variance updates), the compression domain, the automatic mask, local
-steps, the freeze; or change the exchange (``two-level``: nodes of 2 ranks). The baseline is
+steps, the freeze; or change the exchange (``two-level``: nodes of 2 ranks) or the local-step
+policy (``steps-policy``: ``"steps"`` with ``--local-step-scaler``). The baseline is
 AdamW on the exact average of the P gradients (what ``hvd.DistributedOptimizer`` does).
 
 Prints (and with ``--json`` writes) one JSON object: the settings, and per variant the final
@@ -43,6 +44,7 @@ VARIANTS = {
     "paper-domain": ({"precondition": False}, {}),
     "paper-raw": ({"precondition": False, "auto_mask": False}, {}),
     "no-local-steps": ({}, {"local_step_clipper": 1}),
+    "steps-policy": ({}, {"local_step_policy": "steps"}),
     "late-freeze": ({}, {"var_freeze_step": "2x"}),
 }
 

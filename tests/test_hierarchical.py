@@ -131,7 +131,7 @@ def _words(b):
     return -(-b // 4) * 4
 
 
-@pytest.mark.parametrize("nodes, local", [(2, 2), (2, 4), (4, 2), (3, 2)])
+@pytest.mark.parametrize("nodes, local", [(1, 2), (3, 1), (2, 2), (1, 5), (3, 2), (7, 1), (2, 4), (4, 2)])
 def test_bytes_per_level_follow_the_formula(nodes, local):
     """Inside a node (L−1)·(4 + 4m) + (L−1)·words(12 + 4m) bytes, m = ceil(n/L); between nodes
     the flat formula at world size N for the rank's shard: (N−1)·(words(4S + 4 + C/8) +
