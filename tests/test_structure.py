@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules on the step path: every function in them stays short enough to hold in mind.
 HOT_PATH = ["hvd_zoadam/optimizer.py", "hvd_zoadam/engine.py", "hvd_zoadam/overlap.py", "hvd_zoadam/protocol.py",
             "hvd_zoadam/transport.py", "hvd_zoadam/kinds.py", "hvd_zoadam/schedule.py", "hvd_zoadam/layout.py",
-            "hvd_zoadam/state.py", "hvd_zoadam/options.py", "hvd_zoadam/stats.py",
+            "hvd_zoadam/state.py", "hvd_zoadam/options.py", "hvd_zoadam/stats.py", "hvd_zoadam/hierarchical.py",
             "hvd_zoadam/algorithms/__init__.py", "hvd_zoadam/algorithms/zeroone.py",
             "native/__init__.py", "native/cpu.py", "native/reference.py"]
 # Not on the step path: the factory's docstring documents every option (validation only), and
