@@ -61,8 +61,9 @@ class StateDictMixin:
         Returns, the same on every rank, ``{"version": 1, "world_size": P, "names": {pid: name},
         "worker_error": {pid: float32[numel]}, "server_error": {pid: float32[numel]}}`` on the
         CPU, with ``pid`` the parameter ids of :meth:`state_dict`, for every trainable
-        parameter: the mean over ranks of ``worker_error``, and the server errors of all ranks
-        (each rank holds one chunk) in the parameter's own shape, flattened. The padding's
+        parameter: the mean over ranks of ``worker_error`` (over nodes with the two-level
+        exchange, whose workers are the nodes), and the server errors of all ranks (each rank
+        holds one chunk) in the parameter's own shape, flattened. The padding's
         errors are left out: they never reach a parameter.
         """
         ids = {p: i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}

@@ -664,8 +664,7 @@ class ThreadTransport(Transport):
     def node_split(self, name: str) -> tuple["Transport", "Transport"]:
         """See :meth:`Transport.node_split`: nodes are blocks of the group's ``ranks_per_node``."""
         g = self.group
-        local = check_uniform_nodes([g.ranks_per_node] * (self.world_size // g.ranks_per_node or 1),
-                                    self.world_size)
+        local = check_uniform_nodes([g.ranks_per_node], self.world_size)  # blocks of one size
         nodes = self.world_size // local
         node, local_rank = divmod(self.rank, local)
         intra = ThreadTransport(g.subgroup((name, "node", node), local), local_rank)
