@@ -386,3 +386,14 @@ def test_rank_files_restore_only_into_the_same_topology():
     assert got[1][4].load_rank_state_dict(saved) and torch.equal(ex.worker_error, want)
     assert not got[1][4].load_rank_state_dict(dict(saved, hierarchical=None))
     assert not bool(ex.worker_error.any())
+
+
+def test_a_transport_that_cannot_split_refuses_true_and_stays_flat_under_auto():
+    """Horovod's collectives (the base Transport's node_split): True is a ValueError that names
+    the fix, "auto" is flat, False never asks."""
+    from hvd_zoadam.hierarchical import node_levels
+    from hvd_zoadam.transport import Transport
+    plain = Transport(0, 4)
+    with pytest.raises(ValueError, match="hierarchical=True needs transport='mpi'"):
+        node_levels(plain, True, "x")
+    assert node_levels(plain, "auto", "x") is None and node_levels(plain, False, "x") is None
