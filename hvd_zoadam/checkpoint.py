@@ -23,10 +23,18 @@ schedules are restored exactly either way.
 A file that cannot be read, or that was written for another model or optimizer, raises
 :class:`CheckpointError` naming the file and what does not match; nothing is loaded
 silently.
+
+A checkpoint file is data. :func:`read` loads it with ``torch.load(weights_only=True)``:
+tensors, numbers, strings, ``None``, lists, tuples and dicts (what ``state_dict()`` of a
+model, an optimizer or an LR scheduler holds). A file whose pickle names anything else (a
+class, a function, ``os.system`` in a crafted ``__reduce__``) is refused with
+:class:`CheckpointError` naming the file and the type, and nothing in it runs.
 """
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
 
 import torch
@@ -53,6 +61,13 @@ def atomic_save(obj, path: str) -> None:
         raise
 
 
+def _unsupported_global(exc: pickle.UnpicklingError) -> str | None:
+    """The type that torch's weights-only unpickler refused (``module.name``), from its
+    message; None when the file failed for another reason (not a pickle at all)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return found.group(1) if found else None
+
+
 def rank_path(prefix: str, rank: int) -> str:
     return f"{prefix}.rank{rank}.pt"
 
@@ -73,12 +88,25 @@ def save(prefix: str, model: torch.nn.Module, optimizer, **extra) -> None:
 
 
 def read(path: str) -> dict:
-    """``torch.load`` of one of :func:`save`'s files onto the CPU; :class:`CheckpointError`
-    (naming the file) when it is missing, truncated, corrupted or not a checkpoint."""
+    """A data load (``torch.load(weights_only=True)``) of one of :func:`save`'s files onto the CPU.
+
+    Raises:
+        CheckpointError: naming the file, when it is missing, truncated, corrupted, not a
+            checkpoint, or when its pickle needs a type that is not data (the message names
+            the type; nothing from the file is executed).
+    """
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path!r} does not exist") from None
+    except pickle.UnpicklingError as exc:
+        refused = _unsupported_global(exc)
+        if refused is None:
+            raise CheckpointError(f"checkpoint file {path!r} cannot be read (truncated or corrupted?): "
+                                  f"UnpicklingError: {str(exc).strip().splitlines()[-1]}") from None
+        raise CheckpointError(f"checkpoint file {path!r} is refused: it needs a type that is not data "
+                              f"({refused}); a checkpoint holds only tensors, numbers, strings, lists and "
+                              "dicts, and nothing in this file was run") from None
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds for a bad file
         raise CheckpointError(f"checkpoint file {path!r} cannot be read (truncated or corrupted?): "
                               f"{type(exc).__name__}: {exc}") from None

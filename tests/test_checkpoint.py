@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import load_ranks, run_job
+from conftest import load_ranks, run_job, run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
 
+import hvd_zoadam  # noqa: E402
 from hvd_zoadam import Schedule, StepKind  # noqa: E402
 from hvd_zoadam.checkpoint import atomic_save  # noqa: E402
 
@@ -121,3 +122,102 @@ def test_atomic_save_leaves_no_partial_file(tmp_path):
         atomic_save({"a": torch.zeros(3), "b": Boom()}, str(path))
     assert torch.equal(torch.load(path)["a"], torch.ones(3))  # the old file is intact
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # and no temporary file is left
+
+
+# -- a checkpoint file is data ----------------------------------------------------------------
+
+MARKER_NAME = "hvd_zoadam_crafted_checkpoint_ran"
+
+
+class _RunsCode:
+    """What a crafted checkpoint carries: unpickling it would run a shell command."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _save_on_threads(tmp_path, world_size=2, scheduler=None):
+    """A real save of the MLP by ``world_size`` thread-ranks after 8 steps (past the freeze)."""
+    from hvd_zoadam import checkpoint as ckpt_mod
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=common.LR),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              var_freeze_step=6, var_update_scaler=2)
+        sched = scheduler(opt) if scheduler else None
+        for t in range(1, 9):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            opt.step()
+            if sched:
+                sched.step()
+        extra = {"scheduler": sched.state_dict()} if sched else {}
+        ckpt_mod.save(str(tmp_path / "ckpt"), model, opt, step=8, **extra)
+        return model, opt, sched
+    return run_threads(world_size, body)
+
+
+def _load_on_threads(prefix, world_size=2):
+    """``checkpoint.load`` on every thread-rank into fresh models; returns each rank's outcome
+    (the extras, or the CheckpointError)."""
+    from hvd_zoadam import checkpoint as ckpt_mod
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=common.LR),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              var_freeze_step=6, var_update_scaler=2)
+        try:
+            return ckpt_mod.load(str(prefix), model, opt)
+        except ckpt_mod.CheckpointError as exc:
+            return exc
+    return run_threads(world_size, body)
+
+
+def _craft(path, marker):
+    """Rewrite a checkpoint file with a code-running object hidden in its extras."""
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["extra"]["note"] = _RunsCode(marker)
+    torch.save(ckpt, path)
+
+
+@pytest.mark.parametrize("which", ["rank", "common"])
+def test_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, which):
+    """A ``__reduce__`` in ``{prefix}.rank{r}.pt`` or in ``{prefix}.pt`` is refused with a
+    CheckpointError on every rank, naming the file and the type; its command never runs."""
+    marker = tmp_path / MARKER_NAME
+    _save_on_threads(tmp_path)
+    if which == "rank":
+        _craft(tmp_path / "ckpt.rank1.pt", marker)
+    else:  # the per-rank files are gone: every rank reads the common file
+        for r in range(2):
+            os.unlink(tmp_path / f"ckpt.rank{r}.pt")
+        _craft(tmp_path / "ckpt.pt", marker)
+    outcomes = _load_on_threads(tmp_path / "ckpt")
+    assert not marker.exists(), "a crafted checkpoint ran its command"
+    bad = "ckpt.rank1.pt" if which == "rank" else "ckpt.pt"
+    for outcome in outcomes:
+        assert isinstance(outcome, hvd_zoadam.checkpoint.CheckpointError), outcome
+        assert bad in str(outcome) and "is refused: it needs a type that is not data" in str(outcome)
+        assert "system" in str(outcome)  # the type, as the unpickler names it (posix.system)
+    if which == "rank":
+        assert all("rank 1:" in str(o) for o in outcomes)  # every rank names the rank whose file is bad
+
+
+@pytest.mark.parametrize("make_scheduler", [
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=50),
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=4),
+], ids=["StepLR", "OneCycleLR", "CosineAnnealingWarmRestarts"])
+def test_a_save_with_a_schedulers_state_loads_as_data(tmp_path, make_scheduler):
+    """An LR scheduler's state_dict() in the extras is data: the weights-only load takes it, and
+    the scheduler restored from it gives the saved learning rate."""
+    saved = _save_on_threads(tmp_path, scheduler=make_scheduler)
+    outcomes = _load_on_threads(tmp_path / "ckpt")
+    for (_, _, sched), extra in zip(saved, outcomes):
+        assert isinstance(extra, dict), extra
+        assert extra["step"] == 8 and extra["scheduler"] == sched.state_dict()
