@@ -5,13 +5,15 @@ Public names: :func:`DistributedOptimizer`, :func:`OnebitAdam`, :func:`compresse
 :func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`, and the
 module :mod:`hvd_zoadam.checkpoint` (``save``, ``load``).
 """
-from . import checkpoint  # noqa: F401  (hvd_zoadam.checkpoint.save after import hvd_zoadam)
-from .layout import padded_numel
-from .optimizer import DistributedOptimizer, OnebitAdam, ZeroOneAdamOptimizer
-from .protocol import NonFiniteError, StepMismatchError, compressed_allreduce
-from .schedule import Schedule, StepKind
-from .transport import CollectiveTimeoutError
+from hvd_zoadam import checkpoint  # noqa: F401  (hvd_zoadam.checkpoint.save after import hvd_zoadam)
+from hvd_zoadam.core.layout import padded_numel
+from hvd_zoadam.shell.horovod import DistributedOptimizer, OnebitAdam
+from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, OnebitAdamOptimizer, ZeroOneAdamOptimizer
+from hvd_zoadam.comm.protocol import NonFiniteError, StepMismatchError, compressed_allreduce
+from hvd_zoadam.core.schedule import Schedule, StepKind
+from hvd_zoadam.comm.transport import CollectiveTimeoutError
 
 __version__ = "0.1.0"
-__all__ = ["DistributedOptimizer", "OnebitAdam", "ZeroOneAdamOptimizer", "StepMismatchError", "compressed_allreduce", "padded_numel",
+__all__ = ["DistributedOptimizer", "OnebitAdam", "DistributedAdamOptimizer", "ZeroOneAdamOptimizer",
+           "OnebitAdamOptimizer", "StepMismatchError", "compressed_allreduce", "padded_numel",
            "Schedule", "StepKind", "NonFiniteError", "CollectiveTimeoutError", "__version__"]

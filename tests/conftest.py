@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from hvd_zoadam.layout import padded_numel
-from hvd_zoadam.transport import ThreadGroup
+from hvd_zoadam.core.layout import padded_numel
+from hvd_zoadam.comm.transport import ThreadGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, run_cmd
 
-from hvd_zoadam.bench import step_time
+from hvd_zoadam.bench.cli import step_time
 
 
 def bench(*args, timeout_s=600):
@@ -108,7 +108,7 @@ def test_alpha_beta_model_formulas_and_projection():
                          scale_block_numel=2048) == pytest.approx(bits * (1 + 32 / 2048))
     # nodes of L ranks: the flat exchange sends L·2(P−L)/P of the bits per node, the two-level one
     # what one rank of a flat exchange among the N = P/L nodes sends
-    from hvd_zoadam.bench import exchange_node_bytes
+    from hvd_zoadam.bench.cli import exchange_node_bytes
     assert exchange_node_bytes("zoadam", n=8e6, p=64, ranks_per_node=8) == pytest.approx(8 * 2 * 56 / 64 * 1e6)
     assert exchange_node_bytes("zoadam-2level", n=8e6, p=64, ranks_per_node=8) == pytest.approx(2 * 7 / 8 * 1e6)
     assert exchange_node_bytes("zoadam", n=8e6, p=2) == exchange_node_bytes("zoadam-2level", n=8e6, p=2)

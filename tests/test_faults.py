@@ -238,7 +238,7 @@ def _fault_opt(transport):
 def test_ranks_at_different_steps_fail_on_every_rank_naming_both_steps():
     """Rank 0 resumes from its state after step 4, rank 1 from its state after step 5 (each loaded
     "its latest" file): at the next exchange both raise StepMismatchError at once, not at a timeout."""
-    from hvd_zoadam.protocol import StepMismatchError
+    from hvd_zoadam.comm.protocol import StepMismatchError
 
     def body(rank, transport):
         model, opt = _fault_opt(transport)
@@ -266,7 +266,7 @@ def test_ranks_at_different_steps_fail_on_every_rank_naming_both_steps():
 def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
     """Rank 1 skips one whole iteration: the counters still agree step by step, so the ranks pair
     up until rank 0's last step, whose exchange ends within the timeout, naming its collective."""
-    from hvd_zoadam.transport import CollectiveTimeoutError
+    from hvd_zoadam.comm.transport import CollectiveTimeoutError
 
     def body(rank, transport):
         model, opt = _fault_opt(transport)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_zoadam.hierarchical import HierarchicalExchange
-from hvd_zoadam.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
-from hvd_zoadam.protocol import Exchange, StepMismatchError
-from hvd_zoadam.simulate import simulate_hierarchical_allreduce
+from hvd_zoadam.comm.hierarchical import HierarchicalExchange
+from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
+from hvd_zoadam.comm.protocol import Exchange, StepMismatchError
+from hvd_zoadam.oracle.simulate import simulate_hierarchical_allreduce
 from conftest import run_threads
 
 TOPOLOGIES = [(2, 1), (1, 2), (2, 2), (3, 2), (2, 3), (2, 4), (4, 2)]  # (nodes, ranks per node)
@@ -193,7 +193,7 @@ import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import Schedule  # noqa: E402
-from hvd_zoadam.simulate import simulate_zoadam  # noqa: E402
+from hvd_zoadam.oracle.simulate import simulate_zoadam  # noqa: E402
 
 KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
 
@@ -249,7 +249,7 @@ def test_hierarchical_option_is_checked():
 
 
 def test_uneven_nodes_are_refused_naming_both_counts():
-    from hvd_zoadam.transport import ThreadGroup
+    from hvd_zoadam.comm.transport import ThreadGroup
     group = ThreadGroup(6, ranks_per_node=4)
     with pytest.raises(ValueError, match="4 ranks per node do not divide the world size 6"):
         group.transports()[0].node_split("x")
@@ -285,7 +285,7 @@ def mpi_job(request, tmp_path_factory):
 
 def test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula(mpi_job):
     p, local, ranks = mpi_job
-    from hvd_zoadam.hierarchical import HierarchicalExchange  # noqa: F401
+    from hvd_zoadam.comm.hierarchical import HierarchicalExchange  # noqa: F401
     numels = scale_segments([5000, 37, 3000], 256)
     n, nodes = sum(numels), p // local
     we, se = _buffers(numels, p, local)
@@ -391,8 +391,8 @@ def test_rank_files_restore_only_into_the_same_topology():
 def test_a_transport_that_cannot_split_refuses_true_and_stays_flat_under_auto():
     """Horovod's collectives (the base Transport's node_split): True is a ValueError that names
     the fix, "auto" is flat, False never asks."""
-    from hvd_zoadam.hierarchical import node_levels
-    from hvd_zoadam.transport import Transport
+    from hvd_zoadam.comm.hierarchical import node_levels
+    from hvd_zoadam.comm.transport import Transport
     plain = Transport(0, 4)
     with pytest.raises(ValueError, match="hierarchical=True needs transport='mpi'"):
         node_levels(plain, True, "x")

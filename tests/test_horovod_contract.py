@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import hvd_zoadam
-from hvd_zoadam.protocol import CollectiveNames
-from hvd_zoadam.transport import ThreadGroup
+from hvd_zoadam.comm.protocol import CollectiveNames
+from hvd_zoadam.comm.transport import ThreadGroup
 from conftest import load_ranks, run_job, run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))

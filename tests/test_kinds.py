@@ -1,9 +1,9 @@
-"""The step math of hvd_zoadam.kinds against hand-computed values."""
+"""The step math of hvd_zoadam.core.kinds against hand-computed values."""
 import math
 
 import pytest
 
-from hvd_zoadam import kinds
+from hvd_zoadam.core import kinds
 
 
 def _hyper(beta2=0.98, bias_correction=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_zoadam import padded_numel
-from hvd_zoadam.layout import make_buckets
+from hvd_zoadam.core.layout import make_buckets
 
 
 def test_padded_numel_is_the_complement_not_the_remainder():

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
 
 from hvd_zoadam import Schedule, StepKind, padded_numel  # noqa: E402
-from hvd_zoadam.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
-from hvd_zoadam.layout import segment_offsets  # noqa: E402
-from hvd_zoadam.protocol import chunk_pieces  # noqa: E402
+from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
+from hvd_zoadam.core.layout import segment_offsets  # noqa: E402
+from hvd_zoadam.comm.protocol import chunk_pieces  # noqa: E402
 
 # (launcher, ranks, transport argument, the transport it must resolve to). Under MPI both
 # transports run at P = 2, 3, 4; each must equal the in-process simulation bit for bit, so

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hvd_zoadam import native
-from hvd_zoadam.layout import padded_numel, segment_offsets
+from hvd_zoadam.core.layout import padded_numel, segment_offsets
 from hvd_zoadam.native import reference
 from conftest import bucket_cases, server_inputs
 
@@ -262,7 +262,7 @@ def test_decompress_into_momentum_is_bitwise_the_reference(case, beta1):
 @given(case=cases(), preconditioned=st.booleans(), decay=st.sampled_from([1.0, 0.999]), masked=st.booleans())
 def test_decompress_sync_is_bitwise_the_optimizer_path(case, preconditioned, decay, masked):
     """The fused SYNC rebuild equals ``anchor.mul_(decay); kinds.sync_finish(...)`` bit for bit."""
-    from hvd_zoadam import kinds
+    from hvd_zoadam.core import kinds
     numels, p, y, e, gen = case
     offsets = segment_offsets(numels)
     n = sum(numels)
@@ -353,7 +353,7 @@ def test_clamp_finite_clamps_finite_input_and_lets_non_finite_reach_the_scales(c
 def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
     """native.sync_prepare / sync_rebuild (one pass each) against kinds.sync_prepare, then
     anchor.mul_(decay) and kinds.sync_finish (five torch passes), bit for bit."""
-    from hvd_zoadam import kinds
+    from hvd_zoadam.core import kinds
     gen = torch.Generator().manual_seed(3)
     n = 150_001
     x, anchor = torch.randn(n, generator=gen), torch.randn(n, generator=gen)

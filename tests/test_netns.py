@@ -1,6 +1,6 @@
 """Multi-host training on one machine: ranks in separate network namespaces over shaped veth links.
 
-``python -m hvd_zoadam.netsim`` makes the "hosts" (namespaces joined by a bridge, HTB-shaped),
+``python -m hvd_zoadam.bench.netsim`` makes the "hosts" (namespaces joined by a bridge, HTB-shaped),
 runs the launcher in host 1 with a launch agent in place of ssh, and removes what it made.
 The char LM of examples/train_lm.py trains a few steps across 3 hosts under mpirun and 2
 hosts under ``horovodrun --mpi -H``. Needs root (CI runs as root).
@@ -25,7 +25,7 @@ TINY = ["--steps", "6", "--warmup", "2", "--n-layer", "1", "--n-embd", "32", "--
 
 
 def netsim(hosts: int, rate: str, tag: str, script: str, timeout_s: int = 240):
-    return run_cmd([sys.executable, "-m", "hvd_zoadam.netsim", "--hosts", str(hosts), "--rate", rate, "--tag", tag,
+    return run_cmd([sys.executable, "-m", "hvd_zoadam.bench.netsim", "--hosts", str(hosts), "--rate", rate, "--tag", tag,
                     "--", "sh", "-c", script], timeout_s=timeout_s, check=False)
 
 
@@ -114,7 +114,7 @@ def test_two_level_exchange_halves_the_bytes_between_two_hosts_of_two_ranks(tmp_
     """2 hosts × 2 ranks under mpirun: over the same 24 steps after the freeze, each host's veth TX
     bytes with hierarchical=True are at most 0.55× those of the flat exchange (ideal: 1/2), the
     split is by host, and the parameters are bitwise equal on all four ranks after every sync."""
-    from hvd_zoadam.netsim import Network
+    from hvd_zoadam.bench.netsim import Network
     tag = f"zt{os.getpid()}2"
     sent = {}
     with Network(2, "1gbit", tag) as net:

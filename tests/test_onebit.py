@@ -14,7 +14,7 @@ import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import checkpoint  # noqa: E402
-from hvd_zoadam.simulate import simulate_onebit  # noqa: E402
+from hvd_zoadam.oracle.simulate import simulate_onebit  # noqa: E402
 
 FREEZE, STEPS, LR = 4, 12, 1e-2
 
@@ -109,7 +109,7 @@ def test_zoadam_knobs_are_refused_under_onebit():
     model = common.mlp()
     with pytest.raises(ValueError, match=r"local_step_scaler=8 is a 0/1 Adam knob; algorithm='onebit'"):
         hvd_zoadam.OnebitAdam(torch.optim.Adam(model.parameters()), freeze_step=3, local_step_scaler=8,
-                              transport=hvd_zoadam.transport.ThreadGroup(1).transports()[0])
+                              transport=hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0])
     with pytest.raises(ValueError, match="algorithm must be 'zoadam'"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), algorithm="2bit")
 

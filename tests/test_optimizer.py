@@ -14,8 +14,8 @@ import torch
 
 import hvd_zoadam
 from hvd_zoadam import Schedule, StepKind
-from hvd_zoadam.simulate import simulate_zoadam
-from hvd_zoadam.transport import ThreadGroup
+from hvd_zoadam.oracle.simulate import simulate_zoadam
+from hvd_zoadam.comm.transport import ThreadGroup
 from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
@@ -231,7 +231,7 @@ def test_state_dict_round_trip_resumes_exactly_and_keeps_the_schedule():
     torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
-    assert not any(isinstance(v, (hvd_zoadam.transport.Transport,)) for v in ckpt["opt"]["param_groups"][0].values())
+    assert not any(isinstance(v, (hvd_zoadam.comm.transport.Transport,)) for v in ckpt["opt"]["param_groups"][0].values())
     model_c = common.mlp()
     opt_c = make(model_c, solo())
     model_c.load_state_dict(ckpt["model"])

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import hvd_zoadam
-import hvd_zoadam.transport
+import hvd_zoadam.comm.transport
 from hvd_zoadam import NonFiniteError, compressed_allreduce, padded_numel
-from hvd_zoadam.layout import segment_offsets
+from hvd_zoadam.core.layout import segment_offsets
 from hvd_zoadam.native import reference
-from hvd_zoadam.protocol import Exchange
-from hvd_zoadam.simulate import simulate_compressed_allreduce
+from hvd_zoadam.comm.protocol import Exchange
+from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce
 from conftest import run_threads
 
 
@@ -241,7 +241,7 @@ def test_buffer_checks_name_the_fix():
 
 @pytest.mark.parametrize("which", ["worker_error", "server_error"])
 def test_error_buffers_on_another_device_than_the_tensor_are_refused_by_name(which):
-    t = hvd_zoadam.transport.ThreadGroup(1).transports()[0]
+    t = hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0]
     bufs = {"worker_error": torch.zeros(16), "server_error": torch.zeros(16)}
     bufs[which] = torch.zeros(16, device="meta")
     with pytest.raises(ValueError, match=f"{which} is on meta but the tensor is on cpu"):
@@ -253,7 +253,7 @@ def test_bytes_per_exchange_follow_the_formula_and_the_scales_do_not_grow_with_p
     """Three tensors in blocks of 256 elements: what each rank sends per exchange is exactly
     (P−1)·(words(4S + 4 + C/8) + words(12 + 4S + C/8)), S the most pieces in a chunk; the scales,
     steps and flags stay within 2(P−1)/P·4·nseg + 8·(P−1)·(tensors + 1) + 22·(P−1) bytes."""
-    from hvd_zoadam.layout import scale_segments
+    from hvd_zoadam.core.layout import scale_segments
     numels = scale_segments([5000, 37, 3000], 256)
     n = sum(numels)
     big = padded_numel(n, p)

@@ -7,8 +7,9 @@ import torch
 from conftest import run_threads
 
 import hvd_zoadam
-from hvd_zoadam import _bench_resume, checkpoint
-from hvd_zoadam.bench import main as bench_main
+from hvd_zoadam.bench import resume as _bench_resume
+from hvd_zoadam import checkpoint
+from hvd_zoadam.bench.cli import main as bench_main
 
 
 def _build(transport, sizes=(37, 5, 1, 64)):
@@ -123,7 +124,7 @@ def test_the_first_exchange_after_a_pooled_load_matches_the_oracle():
     """Pooled at P = 4, loaded at P' = 2 and 3: the next 1-bit exchange of the bucket equals the
     in-process simulation started from worker errors ē on every rank and the server errors cut
     from the pooled vector, bit for bit (outputs and both error buffers)."""
-    from hvd_zoadam.simulate import simulate_compressed_allreduce
+    from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce
 
     def save(rank, transport):
         model, opt = _build(transport)

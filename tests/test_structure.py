@@ -12,14 +12,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Modules on the step path: every function in them stays short enough to hold in mind.
-HOT_PATH = ["hvd_zoadam/optimizer.py", "hvd_zoadam/engine.py", "hvd_zoadam/overlap.py", "hvd_zoadam/protocol.py",
-            "hvd_zoadam/transport.py", "hvd_zoadam/kinds.py", "hvd_zoadam/schedule.py", "hvd_zoadam/layout.py",
-            "hvd_zoadam/state.py", "hvd_zoadam/options.py", "hvd_zoadam/stats.py", "hvd_zoadam/hierarchical.py",
-            "hvd_zoadam/algorithms/__init__.py", "hvd_zoadam/algorithms/zeroone.py",
+HOT_PATH = ["hvd_zoadam/shell/optimizer.py", "hvd_zoadam/shell/driver.py", "hvd_zoadam/shell/horovod_contract.py",
+            "hvd_zoadam/shell/torch_optim.py", "hvd_zoadam/shell/overlap.py", "hvd_zoadam/shell/options.py",
+            "hvd_zoadam/shell/stats.py", "hvd_zoadam/shell/horovod.py",
+            "hvd_zoadam/core/engine.py", "hvd_zoadam/core/kinds.py", "hvd_zoadam/core/schedule.py",
+            "hvd_zoadam/core/layout.py", "hvd_zoadam/core/algorithms/__init__.py",
+            "hvd_zoadam/core/algorithms/zeroone.py", "hvd_zoadam/core/algorithms/onebit.py",
+            "hvd_zoadam/comm/protocol.py", "hvd_zoadam/comm/transport.py", "hvd_zoadam/comm/hierarchical.py",
             "native/__init__.py", "native/cpu.py", "native/reference.py"]
 # Not on the step path: the factory's docstring documents every option (validation only), and
 # the CUDA module's kernel factory holds several kernels, each short.
-LONG_OK = {("hvd_zoadam/optimizer.py", "DistributedOptimizer")}
+LONG_OK = {("hvd_zoadam/shell/horovod.py", "DistributedOptimizer")}
+# The layers (docs/architecture.md): none of these imports the shell or the benchmarks.
+LOWER_LAYERS = ("hvd_zoadam.core", "hvd_zoadam.comm", "hvd_zoadam.native", "hvd_zoadam.oracle")
+UPPER_LAYERS = ("hvd_zoadam.shell", "hvd_zoadam.bench")
+MAX_CLASS_LINES = 300
 MAX_LINES = 60
 
 
@@ -57,7 +64,7 @@ def _import_graph() -> dict:
 
 def test_no_module_imports_one_that_imports_it_back():
     graph = _import_graph()
-    assert "hvd_zoadam.optimizer" in graph and "hvd_zoadam.native.cpu" in graph
+    assert "hvd_zoadam.shell.horovod" in graph and "hvd_zoadam.native.cpu" in graph
     circles = []
     for a, deps in graph.items():
         for b in deps:
@@ -84,11 +91,40 @@ def test_step_path_functions_stay_short(rel):
 
 def test_algorithms_issue_no_collective():
     """An algorithm receives the exchange as a callable: it names no transport and starts nothing."""
-    for path in (ROOT / "hvd_zoadam" / "algorithms").glob("*.py"):
+    paths = list((ROOT / "hvd_zoadam" / "core" / "algorithms").glob("*.py"))
+    assert len(paths) >= 3
+    for path in paths:
         tree = ast.parse(path.read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-        assert not imported & {"transport", "protocol", "horovod.torch", "mpi4py"}, (path.name, imported)
+        comm = {m for m in imported if _in(m, ("hvd_zoadam.comm", "horovod", "mpi4py", "torch.distributed"))
+                or m.split(".")[-1] in ("transport", "protocol")}
+        assert not comm, (path.name, comm)
         calls = {node.func.attr for node in ast.walk(tree)
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
         assert not calls & {"start", "wait", "allgather", "alltoall", "allreduce_average_", "start_scales",
                             "allgather_object"}, (path.name, calls)
+
+
+def _in(name: str, layers) -> bool:
+    return any(name == layer or name.startswith(layer + ".") for layer in layers)
+
+
+def test_lower_layers_import_neither_the_shell_nor_the_benchmarks():
+    """The engine, the algorithms, communication, the kernels and the oracle never import the
+    shell (what users hold) or ``bench/``; nothing in the library imports ``bench/``."""
+    graph = _import_graph()
+    assert any(_in(m, ("hvd_zoadam.core",)) for m in graph) and any(_in(m, ("hvd_zoadam.comm",)) for m in graph)
+    wrong = sorted((a, b) for a, deps in graph.items() for b in deps
+                   if _in(a, LOWER_LAYERS) and _in(b, UPPER_LAYERS))
+    assert not wrong, f"lower layers importing the shell or the benchmarks: {wrong}"
+    into_bench = sorted((a, b) for a, deps in graph.items() for b in deps
+                        if not _in(a, ("hvd_zoadam.bench",)) and _in(b, ("hvd_zoadam.bench",)))
+    assert not into_bench, f"library modules importing the benchmarks: {into_bench}"
+
+
+def test_no_class_is_over_about_300_lines():
+    files = list((ROOT / "hvd_zoadam").rglob("*.py")) + list((ROOT / "native").glob("*.py"))
+    big = [(str(f.relative_to(ROOT)), node.name, node.end_lineno - node.lineno + 1) for f in files
+           for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.ClassDef)
+           and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from numba import config, cuda
 
 from hvd_zoadam import native
-from hvd_zoadam.layout import segment_offsets
+from hvd_zoadam.core.layout import segment_offsets
 from hvd_zoadam.native import cpu, reference
 from conftest import bucket_cases, server_inputs
 

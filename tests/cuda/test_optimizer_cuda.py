@@ -7,7 +7,7 @@ Under the CUDA simulator (CI: ``tests/test_cuda_simulator.py``) there is no CUDA
 instead: the numba.cuda kernels (simulated) and the torch ops that replace the CPU-only
 Numba helpers. What the simulator cannot show: buffers placed on a GPU, streams, speed.
 
-Oracle: :func:`hvd_zoadam.simulate.simulate_zoadam` (P workers in one loop, torch reference
+Oracle: :func:`hvd_zoadam.oracle.simulate.simulate_zoadam` (P workers in one loop, torch reference
 compressor). Under the simulator every op runs on the CPU, so the parameters must match it
 bit for bit, as the CPU kernels do in ``tests/test_optimizer.py``. On a GPU the forward and
 backward passes and the Adam arithmetic are the GPU's, which may round differently from
@@ -23,9 +23,9 @@ import torch
 from numba import config, cuda
 
 import hvd_zoadam
-import hvd_zoadam.transport
+import hvd_zoadam.comm.transport
 from hvd_zoadam import StepKind, native
-from hvd_zoadam.simulate import simulate_compressed_allreduce
+from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce
 from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mp"))
@@ -109,7 +109,7 @@ def test_compressed_allreduce_on_the_cuda_path_equals_the_reference(p, dtype):
     n = 1000
 
     def body(rank, transport):
-        from hvd_zoadam.layout import padded_numel
+        from hvd_zoadam.core.layout import padded_numel
         big = padded_numel(n, p)
         we, se = torch.zeros(big, device=DEV), torch.zeros(big // p, device=DEV)
         outs = []
@@ -121,7 +121,7 @@ def test_compressed_allreduce_on_the_cuda_path_equals_the_reference(p, dtype):
         return outs, we, se
 
     got = run_threads(p, body, timeout_s=600)
-    from hvd_zoadam.layout import padded_numel
+    from hvd_zoadam.core.layout import padded_numel
     big = padded_numel(n, p)
     we = [torch.zeros(big) for _ in range(p)]
     se = [torch.zeros(big // p) for _ in range(p)]
@@ -140,4 +140,4 @@ def test_parameters_on_two_devices_are_refused_naming_both():
     with pytest.raises(ValueError, match=r"parameter '1.weight' is on cpu but parameter '0.weight' is on cuda"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                         named_parameters=model.named_parameters(),
-                                        transport=hvd_zoadam.transport.ThreadGroup(1).transports()[0])
+                                        transport=hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0])

@@ -52,7 +52,7 @@ def simulate_mlp(p: int, steps: int, knobs: dict, cls=torch.optim.Adam, wd: floa
     parameters with :func:`grads_at`, constant LR; ``paper_raw`` runs the paper's plain algorithm:
     it turns off hvd_zoadam's preconditioned compression and automatic momentum mask. Returns (params per rank, kinds)."""
     from hvd_zoadam import Schedule
-    from hvd_zoadam.simulate import simulate_zoadam
+    from hvd_zoadam.oracle.simulate import simulate_zoadam
     params0 = [q.detach().clone() for q in mlp().parameters()]
     return simulate_zoadam(params0, grads_at, world_size=p, steps=steps, schedule=Schedule(**knobs),
                            lr_fn=lambda t: LR, weight_decay=wd, decoupled=cls is torch.optim.AdamW,

@@ -62,7 +62,7 @@ def train(make_opt, steps, record_sync=False):
     for t in range(1, steps + 1):
         opt.zero_grad()
         common.loss_fn(model, t, hvd.rank()).backward()
-        kind = opt._next_kind()[1].value if isinstance(opt, hvd_zoadam.ZeroOneAdamOptimizer) else "adam"
+        kind = opt._next_kind()[1].value if isinstance(opt, hvd_zoadam.DistributedAdamOptimizer) else "adam"
         opt.step()
         if kind in ("sync", "variance", "compressed", "adam"):
             common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after {kind} step {t}")

@@ -51,7 +51,7 @@ def is_an_adam(out):
     opt_w = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(w.parameters()), named_parameters=w.named_parameters(),
                                             transport=TRANSPORT)
     out["isinstance"] = {"adam": isinstance(opt, torch.optim.Adam), "optimizer": isinstance(opt, torch.optim.Optimizer),
-                         "zoadam": isinstance(opt, hvd_zoadam.ZeroOneAdamOptimizer),
+                         "zoadam": isinstance(opt, hvd_zoadam.DistributedAdamOptimizer),
                          "adamw": isinstance(opt_w, torch.optim.AdamW), "adam_not_adamw": not isinstance(opt, torch.optim.AdamW),
                          "lr_after_scheduler": opt.param_groups[0]["lr"]}
 

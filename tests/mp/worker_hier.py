@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
-from hvd_zoadam.hierarchical import HierarchicalExchange  # noqa: E402
-from hvd_zoadam.layout import scale_segments  # noqa: E402
-from hvd_zoadam.transport import MPITransport  # noqa: E402
+from hvd_zoadam.comm.hierarchical import HierarchicalExchange  # noqa: E402
+from hvd_zoadam.core.layout import scale_segments  # noqa: E402
+from hvd_zoadam.comm.transport import MPITransport  # noqa: E402
 
 NUMELS = scale_segments([5000, 37, 3000], 256)
 

@@ -1,5 +1,5 @@
 """Worker for the two-level exchange across simulated hosts: ``worker_hier_net.py MODE OUT_DIR``
-under mpirun in ``hvd_zoadam.netsim`` hosts, MODE ``flat`` or ``two-level``.
+under mpirun in ``hvd_zoadam.bench.netsim`` hosts, MODE ``flat`` or ``two-level``.
 
 A 4.2 M-parameter linear layer trains 2 full-precision VARIANCE steps, then 24 steps after the
 freeze (COMPRESSED, LOCAL and SYNC). Between a barrier after step 2 and one after the last step,

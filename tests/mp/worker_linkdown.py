@@ -1,4 +1,4 @@
-"""A host's link goes down mid-training, under ``hvd_zoadam.netsim`` (tests/test_netns.py).
+"""A host's link goes down mid-training, under ``hvd_zoadam.bench.netsim`` (tests/test_netns.py).
 
 ``worker_linkdown.py train OUT STEPS``: trains with a checkpoint ``OUT/ckpt{t}`` every 4 steps.
 After step 10, rank 0 runs ``$ZO_LINK_DOWN`` (a shell command that takes the last host's link

@@ -3,15 +3,15 @@
 ``hvd.elastic.TorchState(model=model, optimizer=opt)`` picks a state handler per attribute
 type from Horovod's handler registry. :func:`register_state_handler` puts
 ``ZeroOneAdamStateHandler`` first for the optimizer class it is given
-(:class:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer`); ``hvd_zoadam.DistributedOptimizer``
+(:class:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer`); ``hvd_zoadam.DistributedOptimizer``
 calls it, so users write nothing extra. This module imports nothing of hvd_zoadam. The handler
 is Horovod's optimizer handler (deep copy of ``state_dict()`` on commit,
 ``load_state_dict`` on restore), plus:
 
 * on commit, a CPU copy of this rank's error buffers (``rank_state_dict()``), restored with
   the rest on ``restore()``, so the buffers belong to the same step as m, v and the anchor;
-* ``sync()`` calls :meth:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer.on_reset` and
-  :meth:`~hvd_zoadam.optimizer.ZeroOneAdamOptimizer.pool_errors_after_reset` on every
+* ``sync()`` calls :meth:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer.on_reset` and
+  :meth:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer.pool_errors_after_reset` on every
   rank, then ``hvd.broadcast_optimizer_state(opt, root_rank=0)``: m, v, the anchor, the
   window and the schedule counters come from rank 0, and the error feedback the surviving
   ranks owe is carried over to buffers laid out for the new world size.

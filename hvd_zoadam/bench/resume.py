@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .transport import ThreadGroup
+from hvd_zoadam.comm.transport import ThreadGroup
 
 SIZES = (37, 5, 1, 64)
 _INIT_LOCK = threading.Lock()  # thread-ranks share torch's global RNG: one model init at a time
@@ -160,7 +160,7 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
     """Train steps first..last (of a run of ``last`` steps) on ``world_size`` thread-ranks;
     returns rank 0's validation loss at the end (``"end"``) and, with ``save=(prefix, s)``,
     after the checkpoint it saves at step s (``"at_save"``)."""
-    from . import checkpoint
+    from hvd_zoadam import checkpoint
 
     def body(rank, transport):
         torch.set_num_threads(1)

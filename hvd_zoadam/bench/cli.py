@@ -1,7 +1,7 @@
 """Benchmarks; each prints JSON. ``python -m hvd_zoadam.bench {network,step,model} --help``.
 
 * ``network``: the char LM of examples/train_lm.py (3.24 M parameters) on ``--ranks``
-  simulated hosts (:mod:`hvd_zoadam.netsim`: namespaces, HTB-shaped links, no added
+  simulated hosts (:mod:`hvd_zoadam.bench.netsim`: namespaces, HTB-shaped links, no added
   latency: this kernel has no netem), one rank per host, launched by ``mpirun`` from the
   first host with a launch agent in place of ssh and ``--mca btl tcp,self``. In one
   invocation it runs, with the same model, data, seeds and steps: (a) Horovod AdamW fp32,
@@ -16,9 +16,9 @@
 * ``step``: the optimizer step alone at P = 1 on the char LM's parameters: each
   hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)``.
 * ``convergence``: 0/1 Adam's validation loss at P simulated workers with one factor
-  switched off at a time, against AdamW (:mod:`hvd_zoadam._bench_convergence`).
+  switched off at a time, against AdamW (:mod:`hvd_zoadam.bench.convergence`).
 * ``resume``: what a resume at another world size, or from rank 0's file alone, keeps of
-  the error feedback (:mod:`hvd_zoadam._bench_resume`).
+  the error feedback (:mod:`hvd_zoadam.bench.resume`).
 * ``model``: an alpha-beta model of step time; validated against a ``network`` JSON
   when given, and projected to BERT-Large on 16–128 workers.
 """
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _bench_convergence, _bench_resume
+from hvd_zoadam.bench import convergence as _bench_convergence, resume as _bench_resume
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_LABELS = {
@@ -60,7 +60,7 @@ def _tx_bytes(ns: str) -> int:
 def _network_run(net, run: str, args, workdir: Path) -> dict:
     out = workdir / f"{run}.json"
     hosts = ",".join(f"{a}:1" for a in net.addresses)
-    module = "hvd_zoadam._bench_diloco" if run.startswith("diloco") else "hvd_zoadam._bench_lm"
+    module = "hvd_zoadam.bench.diloco" if run.startswith("diloco") else "hvd_zoadam.bench.lm"
     worker = [sys.executable, "-m", module, "--run", run, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--skip", str(args.skip), "--master", net.addresses[0],
               "--out", str(out), "--eval-every", str(args.eval_every), *args.model_args]
@@ -133,7 +133,7 @@ TARGETS = [  # (rate, ratio key, target, text)
 def cmd_network(args) -> dict:
     from tqdm import tqdm
 
-    from .netsim import Network
+    from hvd_zoadam.bench.netsim import Network
     import signal
 
     def on_term(signum, _frame):  # unwind, so every `with Network(...)` removes its namespaces
@@ -258,8 +258,8 @@ def cmd_step(args) -> dict:
 
     import hvd_zoadam
     from hvd_zoadam import StepKind
-    from hvd_zoadam.transport import ThreadGroup
-    lm = __import__("hvd_zoadam._bench_lm", fromlist=["_train_lm"])._train_lm()
+    from hvd_zoadam.comm.transport import ThreadGroup
+    lm = __import__("hvd_zoadam.bench.lm", fromlist=["_train_lm"])._train_lm()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
@@ -347,8 +347,8 @@ def cmd_kernels(args) -> dict:
     import numba
     import torch
 
-    from . import native
-    from .layout import padded_numel
+    from hvd_zoadam import native
+    from hvd_zoadam.core.layout import padded_numel
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
@@ -648,10 +648,10 @@ def main(argv=None) -> int:
     elif args.cmd == "kernels":
         report = cmd_kernels(args)
     elif args.cmd == "convergence":
-        from ._bench_lm import _train_lm
+        from hvd_zoadam.bench.lm import _train_lm
         report = _bench_convergence.run(args, _train_lm())
     elif args.cmd == "resume":
-        from ._bench_lm import _train_lm
+        from hvd_zoadam.bench.lm import _train_lm
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)
     else:
         report = cmd_model(args)

@@ -4,7 +4,7 @@ A transport moves 1-D contiguous tensors among the ranks of one process set.
 ``HorovodTransport`` uses Horovod's own collectives (``hvd.alltoall``,
 ``hvd.allgather``, ``hvd.allreduce_``), which work under both the Gloo and the
 MPI controller. ``ThreadTransport`` runs P ranks as threads of one process (the
-in-process oracle of the tests and of :mod:`hvd_zoadam.simulate`).
+in-process oracle of the tests and of :mod:`hvd_zoadam.oracle.simulate`).
 
 **Counting bytes.** Each call counts what this rank puts on the wire under the
 standard ring/pairwise algorithms, so numbers compare across transports:
@@ -690,7 +690,7 @@ def make_transport(transport, process_set=None) -> Transport:
         raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
     import horovod.torch as hvd
 
-    from . import native
+    from hvd_zoadam import native
     if not hvd.is_initialized():
         raise ValueError("Horovod has not been initialized; call hvd.init() before building "
                          "hvd_zoadam.DistributedOptimizer or calling compressed_allreduce")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .schedule import StepKind
+from hvd_zoadam.core.schedule import StepKind
 
 
 class Phase(enum.Enum):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native import reference
+from hvd_zoadam.native import reference
 
 
 @dataclass(frozen=True)

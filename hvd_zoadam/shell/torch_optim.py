@@ -2,19 +2,20 @@
 taking over an Adam checkpoint) and each rank's own state (the error buffers), and the error feedback pooled over ranks
 that any world size can load.
 
-:class:`StateDictMixin` is a base of :class:`hvd_zoadam.optimizer.ZeroOneAdamOptimizer`;
+:class:`StateDictMixin` is a base of :class:`hvd_zoadam.shell.optimizer.DistributedAdamOptimizer`;
 files are :mod:`hvd_zoadam.checkpoint`'s. The one collective, in
-:meth:`StateDictMixin.error_feedback_state`, is :func:`hvd_zoadam.protocol.pool_error_feedback`'s.
+:meth:`StateDictMixin.error_feedback_state`, is :func:`hvd_zoadam.comm.protocol.pool_error_feedback`'s.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
-from .layout import segment_offsets
-from .options import ADOPT_KEY, STATE_KEY, check_group
-from .protocol import pool_error_feedback
+from hvd_zoadam.core.layout import segment_offsets
+from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY, check_group, check_named_parameters
+from hvd_zoadam.comm.protocol import pool_error_feedback
 
 
 class StateDictMixin:
@@ -214,3 +215,75 @@ def _called_by_broadcast_optimizer_state() -> bool:
     code = sys._getframe(2).f_code
     return code.co_name == "broadcast_optimizer_state" and \
         code.co_filename.replace("\\", "/").endswith("horovod/torch/functions.py")
+
+
+_registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)
+
+
+class ParamGroupsMixin:
+    """torch's ``param_groups``: names, masks and layout of the trainable parameters, one
+    optimizer per parameter, and ``add_param_group`` (new, zeroed buffers for the new group)."""
+
+    def _name_parameters(self, named_parameters) -> dict:
+        return check_named_parameters(self.param_groups, named_parameters)
+
+    def _resolve_masks(self, exp_avg_mask) -> dict:
+        """``exp_avg_mask``: {param or name: 0/1 tensor of the param's shape}; also DeepSpeed's
+        ``exp_avg_mask`` option in a param group that holds one parameter."""
+        by_name = {name: p for p, name in self._names.items()}
+        masks = {}
+        for key, mask in (exp_avg_mask or {}).items():
+            p = by_name.get(key) if isinstance(key, str) else key
+            if p is None or p not in self._names:
+                raise ValueError(f"exp_avg_mask names {key!r}, which is not a parameter of this optimizer")
+            masks[p] = mask
+        for i, group in enumerate(self.param_groups):
+            if group.get("exp_avg_mask") is not None:
+                if len(group["params"]) != 1:
+                    raise ValueError(f"param_groups[{i}] has an exp_avg_mask and {len(group['params'])} parameters; "
+                                     "a group mask needs a group of one parameter (or pass exp_avg_mask={param: mask})")
+                masks[group["params"][0]] = group["exp_avg_mask"]
+        for p, mask in masks.items():
+            if not isinstance(mask, torch.Tensor) or mask.shape != p.shape:
+                raise ValueError(f"exp_avg_mask of {self._names[p]!r} must be a tensor of shape {tuple(p.shape)}, "
+                                 f"got {getattr(mask, 'shape', type(mask).__name__)}")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError(f"exp_avg_mask of {self._names[p]!r} must hold only 0 and 1")
+        return masks
+
+    def _layout_description(self) -> list:
+        """The trainable parameters' layout (names, shapes, dtypes, groups): the digest in the
+        collective names, the same on every rank however many optimizers each built (see
+        :class:`~hvd_zoadam.comm.protocol.CollectiveNames`)."""
+        return [(i, self._names[p], tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups)
+                for p in g["params"] if p.requires_grad]
+
+    def _build_group(self, index: int) -> None:
+        group = self.param_groups[index]
+        group.setdefault("lr_sum", 0.0)
+        group.setdefault("decay_product", 1.0)
+        trainable = [p for p in group["params"] if p.requires_grad]
+        for p in trainable:
+            param_ref, owner = _registered.get(id(p), (lambda: None, lambda: None))
+            if param_ref() is p and owner() is not None and owner() is not self:
+                raise ValueError(f"parameter {self._names.get(p, id(p))!r} is already optimized by another "
+                                 "hvd_zoadam optimizer; give each parameter to one optimizer only")
+        self._engine.build_group(index, trainable)
+        for p in trainable:
+            _registered[id(p)] = (weakref.ref(p), weakref.ref(self))
+            if p not in self._passes:
+                self._passes[p] = 0
+                if hasattr(p, "register_post_accumulate_grad_hook"):
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (torch semantics). Its params get new, zeroed buffers and unique names."""
+        super().add_param_group(param_group)
+        if getattr(self, "_ready", False):
+            index = len(self.param_groups) - 1
+            check_group(self.param_groups[index], index)
+            for j, p in enumerate(self.param_groups[index]["params"]):
+                self._names.setdefault(p, f"noname.{index}.{j}")
+            self._build_group(index)
+            self._overlap.ready.extend([0] * (len(self._buckets) - len(self._overlap.ready)))
+            self._checked_layout = False

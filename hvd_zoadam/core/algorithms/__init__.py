@@ -1,14 +1,14 @@
 """Algorithms: a pure schedule plus step functions over flat bucket tensors.
 
-An algorithm issues no collective. The engine (:mod:`hvd_zoadam.engine`) holds the
-buckets and flat state, the protocol (:mod:`hvd_zoadam.protocol`) exchanges them, and the
-shell (:mod:`hvd_zoadam.optimizer`) drives one step as follows:
+An algorithm issues no collective. The engine (:mod:`hvd_zoadam.core.engine`) holds the
+buckets and flat state, the protocol (:mod:`hvd_zoadam.comm.protocol`) exchanges them, and the
+shell (:mod:`hvd_zoadam.shell.horovod`) drives one step as follows:
 
 1. ``kind = algorithm.kind(step, lr, freeze_lr)``: pure, so every rank (and a backward hook
    asking about a step that has not run yet) computes it alone.
 2. ``algorithm.gradient_exchange(kind)`` says what ``synchronize()`` does with the gradients
-   before the step: ``"average"`` (full precision, :class:`~hvd_zoadam.protocol.Average`),
-   ``"compressed"`` (the 1-bit exchange of :func:`~hvd_zoadam.protocol.exchange_buckets`,
+   before the step: ``"average"`` (full precision, :class:`~hvd_zoadam.comm.protocol.Average`),
+   ``"compressed"`` (the 1-bit exchange of :func:`~hvd_zoadam.comm.protocol.exchange_buckets`,
    with the algorithm's ``compressed_pre``, ``fill_compressed`` and ``consume_compressed``
    shaping its input and output), or None (the step exchanges what it needs itself).
 3. ``algorithm.apply(ctx, kind, skip)`` runs the step on every bucket and returns the new
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 class StepContext:
     """What a step function receives.
 
-    engine: the :class:`~hvd_zoadam.engine.Engine`. step: t. counters: the shared counters
+    engine: the :class:`~hvd_zoadam.core.engine.Engine`. step: t. counters: the shared counters
     dict (``step``, ``exp_avg_sq_steps``, ``freeze_lr``), identical on all ranks.
     exchanged: ``p.grad`` holds this step's exchange result (not the local gradient).
     exchange: ``exchange(buckets, fill, consume, consume_packed=None) -> bool``, the 1-bit
-    exchange of :func:`hvd_zoadam.protocol.exchange_buckets` (False: skipped on every rank).
+    exchange of :func:`hvd_zoadam.comm.protocol.exchange_buckets` (False: skipped on every rank).
     skipped: set by a step function whose own exchange was skipped on every rank (a
     non-finite input somewhere), so that the step counts as skipped.
     """

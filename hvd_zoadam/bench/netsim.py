@@ -1,6 +1,6 @@
 """Simulated hosts on one machine: network namespaces, veth links, HTB bandwidth shaping.
 
-``python -m hvd_zoadam.netsim --hosts 3 --rate 100mbit -- CMD ...`` makes one network
+``python -m hvd_zoadam.bench.netsim --hosts 3 --rate 100mbit -- CMD ...`` makes one network
 namespace per "host", joins them through a bridge, limits every host's link to ``--rate``
 in both directions with HTB, runs CMD inside the first host's namespace with a launch
 agent in place of ssh, and removes everything it made when CMD ends, fails or is
@@ -49,7 +49,7 @@ from pathlib import Path
 IFACE = "zeth0"
 
 AGENT = r'''#!/bin/sh
-# hvd_zoadam.netsim launch agent: "ssh [options] host command..." -> ip netns exec <ns> sh -c command
+# hvd_zoadam.bench.netsim launch agent: "ssh [options] host command..." -> ip netns exec <ns> sh -c command
 # (OpenSSH also reads options after the host, as horovodrun's "ssh ... host -o ConnectTimeout=10 cmd")
 map="$(dirname "$0")/hosts.map"
 host=""
@@ -84,7 +84,7 @@ class Network:
         if hosts < 1:
             raise ValueError(f"--hosts must be >= 1, got {hosts}")
         if os.geteuid() != 0:
-            raise PermissionError("hvd_zoadam.netsim needs root for ip netns (run as root, e.g. in CI)")
+            raise PermissionError("hvd_zoadam.bench.netsim needs root for ip netns (run as root, e.g. in CI)")
         self.hosts = hosts
         self.rate = rate
         self.tag = tag or f"zo{os.getpid()}"
@@ -187,9 +187,9 @@ class Network:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.netsim", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench.netsim", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Example: python -m hvd_zoadam.netsim --hosts 2 --rate 100mbit -- "
+                                 epilog="Example: python -m hvd_zoadam.bench.netsim --hosts 2 --rate 100mbit -- "
                                         "sh -c 'mpirun $ZO_MPIRUN_ARGS -H ${ZO_HOSTS%%,*}:1,... -np 2 python train.py'")
     ap.add_argument("--hosts", type=int, default=2, help="number of simulated hosts (namespaces)")
     ap.add_argument("--rate", default=None, help="HTB rate per link and direction, e.g. 100mbit, 1gbit (default: unshaped)")

@@ -1,12 +1,12 @@
 """The two-level 1-bit exchange of a bucket, for nodes of several ranks (algorithm.md §3, "Two levels").
 
 N nodes of L ranks each (P = N·L). The bucket of n elements is cut into L shards
-(:func:`hvd_zoadam.layout.node_shards`); local rank l owns shard l:
+(:func:`hvd_zoadam.core.layout.node_shards`); local rank l owns shard l:
 
 1. intra-node alltoall: shard q of every local rank's ``y`` goes to local rank q, with the step
    the rank is at. Local rank l averages the L pieces of its shard in float32, in local-rank
    order (sum, then divide by L): the node's average ȳ_l. Full precision, on the fast links.
-2. the two-round 1-bit exchange :class:`~hvd_zoadam.protocol.Exchange` of ȳ_l among the N
+2. the two-round 1-bit exchange :class:`~hvd_zoadam.comm.protocol.Exchange` of ȳ_l among the N
    ranks with local rank l (one per node), with its own ``worker_error`` and ``server_error``
    sized for shard l and a world of N. Only this level crosses the slow network.
 3. intra-node allgather of ``[flag, lowest step, highest step (int32) | C(ȳ_l) (float32)]``:
@@ -16,7 +16,7 @@ The flags make the skip and the step check agree across the whole job: a shard's
 exchange is agreed among its N ranks, and step 3 spreads every shard's verdict to every rank of
 each node. Both error buffers stay staged until then. Every rank of a node gathers the same
 floats, and the N ranks of one local rank decompress the same bytes, so the result is bitwise
-identical on every rank. The oracle is :func:`hvd_zoadam.simulate.simulate_hierarchical_allreduce`.
+identical on every rank. The oracle is :func:`hvd_zoadam.oracle.simulate.simulate_hierarchical_allreduce`.
 
 Bytes sent per rank and exchange, m = ceil(n/L): (L−1)·(4 + 4m) in step 1 and (L−1)·(12 + 4m)
 in step 3, inside the node; the flat formula at world size N for shard l in step 2, between nodes
@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from . import native
-from .layout import node_shards, padded_numel, segment_offsets, shard_segments
-from .protocol import Exchange, _align4, step_mismatch
-from .transport import Transport
+from hvd_zoadam import native
+from hvd_zoadam.core.layout import node_shards, padded_numel, segment_offsets, shard_segments
+from hvd_zoadam.comm.protocol import Exchange, _align4, step_mismatch
+from hvd_zoadam.comm.transport import Transport
 
 
 class HierarchicalExchange:
     """One bucket's two-level exchange on one rank; the interface of
-    :class:`~hvd_zoadam.protocol.Exchange` (``start -> serve -> gather -> commit/rollback``),
+    :class:`~hvd_zoadam.comm.protocol.Exchange` (``start -> serve -> gather -> commit/rollback``),
     except that :meth:`gather` returns C(y) unpacked, float32[numel].
 
     Args:

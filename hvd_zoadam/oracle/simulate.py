@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from .layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
-from .native import reference
-from .schedule import Schedule, StepKind
+from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
+from hvd_zoadam.native import reference
+from hvd_zoadam.core.schedule import Schedule, StepKind
 
 
 def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=None, server_exact=False):
@@ -62,7 +62,7 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
 
 
 def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_per_node, numels=None):
-    """The two-level C_2(y) of :mod:`hvd_zoadam.hierarchical` over P = N·L simulated workers.
+    """The two-level C_2(y) of :mod:`hvd_zoadam.comm.hierarchical` over P = N·L simulated workers.
 
     Rank r is local rank r mod L of node r // L. Local rank l's shard (``node_shards``) is
     averaged over its node in float32 (the sum in local-rank order, then divided by L), and the

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._bench_lm import _train_lm, _val_loss
+from hvd_zoadam.bench.lm import _train_lm, _val_loss
 
 
 def _my_address(master: str) -> str:

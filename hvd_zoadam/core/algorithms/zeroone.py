@@ -8,22 +8,23 @@ The four kinds of step of docs/algorithm.md §2 over each bucket's flat float32 
 * SYNC: a LOCAL step, then the 1-bit exchange of the window's update x_a − x (or
   (x_a − x)·s), from which x and m are rebuilt bitwise alike on every rank.
 
-The math is :mod:`hvd_zoadam.kinds` and :mod:`hvd_zoadam.native`; the schedule is
-:class:`hvd_zoadam.schedule.Schedule` (algorithm.md §4). No collectives here: the gradient
+The math is :mod:`hvd_zoadam.core.kinds` and :mod:`hvd_zoadam.native`; the schedule is
+:class:`hvd_zoadam.core.schedule.Schedule` (algorithm.md §4). No collectives here: the gradient
 exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exchange``.
 """
 from __future__ import annotations
 
-from .. import kinds, native
-from ..schedule import Schedule, StepKind
-from . import StepContext
+from hvd_zoadam.core import kinds
+from hvd_zoadam import native
+from hvd_zoadam.core.schedule import Schedule, StepKind
+from hvd_zoadam.core.algorithms import StepContext
 
 
 class ZeroOneAdam:
     """0/1 Adam's schedule and step functions.
 
     Args:
-        schedule: the pure :class:`~hvd_zoadam.schedule.Schedule` (T_v, T_f, T_u).
+        schedule: the pure :class:`~hvd_zoadam.core.schedule.Schedule` (T_v, T_f, T_u).
         precondition_compression: compress g/s and x_a − x (True, the default) instead of the
             paper's g and (x_a − x)·s (docs/algorithm.md §2, "Compression domain").
     """
@@ -54,7 +55,7 @@ class ZeroOneAdam:
 
         With ``precondition_compression`` the exchange runs on y = g/s (s = sqrt(v̂) + eps,
         identical on all ranks), clipped to |y| <= sqrt(P) / sqrt(1 − β2)
-        (:func:`hvd_zoadam.kinds.normalized_gradient_bound`), and the result is multiplied
+        (:func:`hvd_zoadam.core.kinds.normalized_gradient_bound`), and the result is multiplied
         back by s. Each coordinate's compression error then scales with its own s,
         and a coordinate whose gradient appears after v was last updated cannot blow up the
         scale of its block.

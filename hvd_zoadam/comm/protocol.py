@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from . import native
-from .layout import padded_numel, segment_offsets
-from .transport import Transport, make_transport
+from hvd_zoadam import native
+from hvd_zoadam.core.layout import padded_numel, segment_offsets
+from hvd_zoadam.comm.transport import Transport, make_transport
 
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
@@ -601,7 +601,7 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         server_error: float32[padded_numel(n, P) // P], e_s, updated in place.
         process_set: a Horovod process set (default: the global one).
         transport: ``"auto"``/``"horovod"`` (Horovod's collectives), or a
-            :class:`~hvd_zoadam.transport.Transport` instance.
+            :class:`~hvd_zoadam.comm.transport.Transport` instance.
         name: prefix of the collective names (default: derived from a call counter).
 
     Returns:

@@ -14,10 +14,10 @@ No collectives here: the step calls ``ctx.exchange``.
 """
 from __future__ import annotations
 
-from .. import kinds
-from ..schedule import StepKind
-from . import StepContext
-from .zeroone import variance_step
+from hvd_zoadam.core import kinds
+from hvd_zoadam.core.schedule import StepKind
+from hvd_zoadam.core.algorithms import StepContext
+from hvd_zoadam.core.algorithms.zeroone import variance_step
 
 
 class OnebitAdam:

@@ -2,7 +2,7 @@
 
 Every check raises ``ValueError`` or ``TypeError`` naming the option and the fix, with
 Horovod's texts where Horovod has the same check. Imported by the shell and by the
-checkpoint contract (:mod:`hvd_zoadam.state`); imports only :mod:`hvd_zoadam.schedule`.
+checkpoint contract (:mod:`hvd_zoadam.shell.torch_optim`); imports only :mod:`hvd_zoadam.core.schedule`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .schedule import LOCAL_STEP_POLICIES, check_positive_int
+from hvd_zoadam.core.schedule import LOCAL_STEP_POLICIES, check_positive_int
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 ADOPT_KEY = "adopt_at_next_step"  # in the counters after loading an Adam checkpoint, until the next step
@@ -86,7 +86,7 @@ def check_horovod_arguments(hvd, compression, op):
 
 def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense,
                     bias_correction, local_step_policy, scale_block_numel, bucket_cap_mb):
-    """The factory's other arguments (the schedule's knobs are :class:`~hvd_zoadam.schedule.Schedule`'s).
+    """The factory's other arguments (the schedule's knobs are :class:`~hvd_zoadam.core.schedule.Schedule`'s).
     Returns ``scale_block_numel`` as an int (or None)."""
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be an int, got {backward_passes_per_step!r}")

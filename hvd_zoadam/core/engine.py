@@ -4,13 +4,13 @@ The engine lays the trainable parameters of every param group out in fused bucke
 (:class:`Bucket`, consecutive parameters of one group and dtype, at most
 ``bucket_cap_numel`` elements), each with flat float32 ``exp_avg``, ``exp_avg_sq`` and
 ``anchor`` buffers whose per-parameter views are what ``optimizer.state[p]`` holds, and
-one :class:`~hvd_zoadam.protocol.Exchange` (error buffers, plan) per bucket. It gathers
+one :class:`~hvd_zoadam.comm.protocol.Exchange` (error buffers, plan) per bucket. It gathers
 gradients into flat buffers and scatters results back, keeps fp32 master weights of
 fp16/bf16 parameters, resolves momentum masks and owns the reusable scratch.
 
-No collectives run here, and no step math: :mod:`hvd_zoadam.protocol` exchanges, the
-algorithms (:mod:`hvd_zoadam.algorithms`) compute, and the shell
-(:mod:`hvd_zoadam.optimizer`) drives them.
+No collectives run here, and no step math: :mod:`hvd_zoadam.comm.protocol` exchanges, the
+algorithms (:mod:`hvd_zoadam.core.algorithms`) compute, and the shell
+(:mod:`hvd_zoadam.shell.horovod`) drives them.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kinds
-from .hierarchical import HierarchicalExchange
-from .layout import make_buckets, scale_segments
-from .protocol import CollectiveNames, Exchange
-from .transport import Transport
+from hvd_zoadam.core import kinds
+from hvd_zoadam.comm.hierarchical import HierarchicalExchange
+from hvd_zoadam.core.layout import make_buckets, scale_segments
+from hvd_zoadam.comm.protocol import CollectiveNames, Exchange
+from hvd_zoadam.comm.transport import Transport
 
 
 @dataclass
@@ -56,11 +56,11 @@ class Engine:
             receives the per-parameter views.
         names: {param: name}. user_masks: {param: 0/1 tensor of its shape}.
         transport: the collectives (fixes the world size of the exchanges).
-        names_of_collectives: the :class:`~hvd_zoadam.protocol.CollectiveNames` of the buckets.
+        names_of_collectives: the :class:`~hvd_zoadam.comm.protocol.CollectiveNames` of the buckets.
         bucket_cap_numel, scale_block_numel, sparse_as_dense, bias_correction,
         auto_exp_avg_mask: the optimizer's options of those names.
         levels: ``(intra, cross)`` transports of the two-level exchange
-            (:func:`hvd_zoadam.hierarchical.node_levels`), or None for the flat one.
+            (:func:`hvd_zoadam.comm.hierarchical.node_levels`), or None for the flat one.
     """
 
     def __init__(self, optimizer, names: dict, user_masks: dict, transport: Transport,
@@ -123,8 +123,8 @@ class Engine:
                 self.add_bucket(index, [params[i] for i in idx])
 
     def _new_exchange(self, index: int, params: list):
-        """The bucket's :class:`~hvd_zoadam.protocol.Exchange`, or its
-        :class:`~hvd_zoadam.hierarchical.HierarchicalExchange` when ``levels`` is set."""
+        """The bucket's :class:`~hvd_zoadam.comm.protocol.Exchange`, or its
+        :class:`~hvd_zoadam.comm.hierarchical.HierarchicalExchange` when ``levels`` is set."""
         segments = scale_segments([p.numel() for p in params], self.scale_block_numel)
         name = self.collective_names.bucket(index)
         if self.levels is not None:

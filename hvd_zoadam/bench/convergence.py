@@ -2,7 +2,7 @@
 
 The char LM of examples/train_lm.py (same model, data, per-rank batches, learning-rate
 schedule and 0/1 Adam knobs as ``train_lm.py`` defaults) trained on P simulated workers in
-one process by the in-process oracle :func:`hvd_zoadam.simulate.simulate_zoadam`, which can
+one process by the in-process oracle :func:`hvd_zoadam.oracle.simulate.simulate_zoadam`, which can
 switch one factor off at a time: the 1-bit exchange of the compressed steps or of the sync
 steps (replaced by the exact average), the server side's recompression, the bound on |g|/s
 (``no-clip``; ``unscaled-bound``: without its factor sqrt(P); ``k-bound``: the earlier bound,
@@ -27,8 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .schedule import Schedule
-from .simulate import simulate_zoadam
+from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.oracle.simulate import simulate_zoadam
 
 # name -> (simulate_zoadam keyword overrides, schedule overrides)
 VARIANTS = {

@@ -1,0 +1,243 @@
+"""The step driver: one optimizer step from the schedule's kind through the exchange to the
+algorithm's step function (algorithm.md §2, §5). Every front end shares it.
+
+:class:`StepDriver` is a mixin of :class:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer`:
+it reads the state the optimizer holds (``param_groups``, the engine, the algorithm, the
+transport, the overlap window) and issues every collective through :mod:`hvd_zoadam.comm.protocol`.
+What it does per step:
+
+* :meth:`_prepare_step` (from ``synchronize()``): the settings and layout check of the first
+  step, the coming step's kind, the gradient exchange that kind needs (a full-precision average,
+  the 1-bit exchange of C(g), or nothing), completing what the backward hooks started early;
+* :meth:`_apply_step` (from ``step()``): the algorithm's step function, which runs a SYNC
+  step's exchange of the update through :meth:`_exchange`;
+* :meth:`_launch` (from the backward hooks): start one bucket's exchange early.
+"""
+from __future__ import annotations
+
+import warnings
+
+from hvd_zoadam import native
+from hvd_zoadam.comm.protocol import Average, check_layout, exchange_buckets, grads_changed_anywhere
+from hvd_zoadam.core.algorithms import StepContext
+from hvd_zoadam.core.schedule import StepKind
+from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
+from hvd_zoadam.shell.overlap import Overlap
+
+
+class StepDriver:
+    """Drives one step (see the module docstring). Holds no state of its own beyond the
+    attributes :class:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer` sets up."""
+
+    @property
+    def _buckets(self) -> list:
+        return self._engine.buckets
+
+    @property
+    def _counters(self) -> dict:
+        return self.param_groups[0][STATE_KEY]
+
+    def _new_average(self) -> Average:
+        return Average(self.transport, self._collectives, gradient_predivide_factor=self.gradient_predivide_factor,
+                       fp16_wire=self._fp16_wire(), sparse_grad=self._engine.sparse_grad)
+
+    def _fp16_wire(self) -> bool:
+        return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
+
+    def _next_kind(self) -> tuple[int, StepKind]:
+        c = self._counters
+        step = c["step"] + 1
+        return step, self.algorithm.kind(step, float(self.param_groups[0]["lr"]), c["freeze_lr"])
+
+    def _next_early_kind(self) -> tuple:
+        """(step, kind) of the coming step for the hooks; kind None when the algorithm's step
+        exchanges what it needs itself (nothing to start early)."""
+        step, kind = self._next_kind()
+        return step, kind if self.algorithm.gradient_exchange(kind) is not None else None
+
+    def _can_overlap(self) -> bool:
+        # Not before the first step's settings check (a mismatch must fail fast, not hang in a
+        # collective), and not under a GradScaler (its scale is known only in step()).
+        # Nor right after loading an Adam checkpoint: the anchor and error buffers are set in synchronize().
+        return (self.overlap and self.transport.supports_async and self.world_size > 1 and self._checked_layout
+                and not self._amp_seen and not self._counters.get(ADOPT_KEY)
+                and self._pending is None and getattr(self, "_ready", False))
+
+    def _check_layout(self) -> None:
+        """algorithm.md §5: settings and parameter layout compared across ranks (raises on every rank)."""
+        self._checked_layout = True
+        items = self.algorithm.settings()
+        items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
+                     scale_block_numel=self.scale_block_numel, auto_exp_avg_mask=self.auto_exp_avg_mask,
+                     overlap=self.overlap, backward_passes_per_step=self.backward_passes_per_step,
+                     compression=getattr(self.compression, "__name__", repr(self.compression)))
+        items.update(self._engine.layout_items())
+        check_layout(self.transport, items)
+
+    def _launch(self, window, bi: int) -> None:
+        """Start bucket ``bi``'s exchange for the coming step from the hooks (see :mod:`.overlap`)."""
+        b = self._buckets[bi]
+        self.transport.counter.kind = window.kind.value
+        if self.sparse_as_dense:  # densified here, so that what the exchange reads is what p.grad holds
+            for p in b.params:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+        # What the exchange read: checked in synchronize(), so that a gradient changed after
+        # backward() (e.g. clipped without synchronize()) is not silently left out.
+        window.seen[bi] = [(p.grad, p.grad._version if p.grad is not None else None) for p in b.params]
+        if window.kind is StepKind.VARIANCE:
+            window.averages[bi] = self._average.start(bi, b, self._engine.inv_grad_scale, copy=True)
+        else:
+            window.scales[bi] = self._start_compressed(bi, window.step, window.pre)
+
+    def _start_compressed(self, bi: int, step: int, pre: dict):
+        """Fill bucket ``bi``'s exchange input for a COMPRESSED step (``pre`` caches the
+        preconditioning by bucket index) and start round 1. Returns round 1's handle."""
+        b = self._buckets[bi]
+        if bi not in pre:
+            pre[bi] = self.algorithm.compressed_pre(self._engine, b, step, self._counters)
+        self.algorithm.fill_compressed(self._engine, b, b.exchange.input, pre[bi])
+        b.exchange.step = step
+        return b.exchange.start(b.exchange.input)
+
+    def _drain(self, window) -> None:
+        for handle in (window.handles() if window is not None and window.kind is not None else ()):
+            self.transport.wait(handle)
+
+    def _prepare_step(self) -> None:
+        """Everything ``synchronize()`` does once the world is current: the settings check of
+        the first step, the exchange of the coming step's gradients (or its agreed skip), and
+        ``self._pending = (step, kind, skip)`` for :meth:`_apply_step`."""
+        step, kind = self._next_kind()
+        for b in self._buckets:
+            b.exchange.step = step  # announced in round 1: ranks at different steps fail fast
+        how = self.algorithm.gradient_exchange(kind)
+        armed = how is not None and self._can_overlap()  # the same on every rank
+        self._engine.check_params_unchanged()
+        self._adopt_loaded_adam()
+        if not self._checked_layout:
+            self._check_layout()
+        self._drain(self._overlap.stale(step, kind))  # the schedule moved under us (a load between backward and step)
+        if armed:
+            self.transport.counter.kind = kind.value
+            self._redo_if_changed(step, kind)
+        window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
+        skip = False
+        self._exchanged = how is not None and self.world_size > 1
+        if self._exchanged:
+            self.transport.counter.kind = kind.value
+            if how == "average":
+                skip = not self._average.all(self._buckets, Overlap.launch_order(len(self._buckets)),
+                                             window.averages if window else {}, self._engine.inv_grad_scale)
+            else:
+                skip = not self._compress_grads(step, window)
+        elif how is not None:  # P = 1: nothing to exchange, but a NaN/Inf skips the step as at P > 1
+            skip = not native.all_finite_many(g.to_dense() if g.is_sparse else g
+                                              for b in self._buckets for p in b.params
+                                              for g in (p.grad,) if g is not None)
+        self._pending = (step, kind, skip)
+        self._synchronized = True
+
+    def _adopt_loaded_adam(self) -> None:
+        """The first step after loading an Adam checkpoint (see :meth:`load_state_dict`), on every
+        rank alike (the mark travels in the counters): anchor <- the parameters as they are now
+        (loaded or broadcast after the optimizer, in any order), error buffers and window zeroed."""
+        if not self._counters.pop(ADOPT_KEY, False):
+            return
+        for b in self._buckets:
+            b.anchor.copy_(self._engine.load_x(b))
+            b.exchange.zero_errors()
+        for group in self.param_groups:
+            group["lr_sum"], group["decay_product"] = 0.0, 1.0
+
+    def _grads_changed_here(self) -> bool:
+        """Whether a gradient the hooks' exchange read was replaced or modified since."""
+        window = self._overlap.window
+        for bi, seen in (window.seen if window is not None else {}).items():
+            if any(p.grad is not grad or (grad is not None and grad._version != version)
+                   for p, (grad, version) in zip(self._buckets[bi].params, seen)):
+                return True
+        return False
+
+    def _redo_if_changed(self, step: int, kind: StepKind) -> bool:
+        """Whether some rank's gradients changed after the hooks started their exchange (e.g.
+        clipped without synchronize()), agreed by one 4-byte allreduce on every step where
+        overlap is armed. True: every rank completes the early exchange of every bucket once
+        (starting, with its current gradients, the ones its hooks did not start), so the names
+        pair up; the results are dropped and the step exchanges the gradients as they are now,
+        like overlap=False (a COMPRESSED step's early worker side only staged its error:
+        ``worker_error`` is untouched until round 2)."""
+        if not grads_changed_anywhere(self.transport, self._collectives, step, self._grads_changed_here()):
+            return False
+        window = self._overlap.window
+        averages = window.averages if window else {}
+        scales = window.scales if window else {}
+        pre = window.pre if window else {}
+        for bi in Overlap.launch_order(len(self._buckets)):
+            if kind is StepKind.VARIANCE:
+                started = averages.pop(bi, None)
+                if started is None:
+                    started = self._average.start(bi, self._buckets[bi], self._engine.inv_grad_scale, copy=True)
+                for handle, _, _ in started:
+                    self.transport.wait(handle)
+            else:
+                handle = scales.pop(bi, None)
+                self.transport.wait(handle if handle is not None else self._start_compressed(bi, step, pre))
+        self._overlap.window = None
+        if not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
+                          "(overlap with the backward pass, as in hvd.DistributedOptimizer); the step exchanges "
+                          "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
+                          "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
+                          "or build the optimizer with overlap=False.")
+        return True
+
+    def _compress_grads(self, step: int, window) -> bool:
+        """C(g) of every bucket into p.grad, shaped by the algorithm (see ZeroOneAdam.compressed_pre),
+        in launch order, as the hooks start them (MPI pairs collectives by their order).
+        Returns False when the step is skipped on every rank."""
+        cached = window.pre if window is not None else {}
+        engine, algorithm = self._engine, self.algorithm
+        pre = {id(b): cached[bi] if bi in cached else algorithm.compressed_pre(engine, b, step, self._counters)
+               for bi, b in enumerate(self._buckets)}
+        started = {id(self._buckets[bi]): h for bi, h in window.scales.items()} if window is not None else {}
+        if window is not None:
+            window.scales = {}
+        return exchange_buckets([self._buckets[bi] for bi in Overlap.launch_order(len(self._buckets))],
+                                engine.scratch["g"], engine.scratch["w"],
+                                lambda b, buf: algorithm.fill_compressed(engine, b, buf, pre[id(b)]),
+                                lambda b, w: algorithm.consume_compressed(engine, b, w, pre[id(b)]),
+                                started=started)
+
+    def _apply_step(self, loss):
+        """The step that ``step()`` runs: ``synchronize()`` unless inside ``skip_synchronize()``,
+        then the algorithm's step function of the pending kind, the counts and the per-step log."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        if self._pending is None:
+            raise RuntimeError("step() inside skip_synchronize() needs a prior optimizer.synchronize()")
+        step, kind, skip = self._pending
+        self._pending = None
+        self._synchronized = False
+        counters = self._counters
+        self.transport.counter.kind = kind.value
+        ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange)
+        k = self.algorithm.apply(ctx, kind, skip)
+        skip = skip or ctx.skipped
+        self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))
+        counters.update(step=step, exp_avg_sq_steps=k)
+        if self._step_log:
+            self._step_log.write(step, kind, skip, float(self.param_groups[0]["lr"]), self.comm_stats(), loss)
+        self._reset_passes()
+        return loss
+
+    def _exchange(self, buckets, fill, consume, consume_packed=None) -> bool:
+        """The 1-bit exchange of ``buckets`` for a step function (see :func:`.protocol.exchange_buckets`)."""
+        return exchange_buckets(buckets, self._engine.scratch["g"], self._engine.scratch["w"], fill, consume,
+                                consume_packed)

@@ -1,0 +1,173 @@
+"""The optimizer a user holds, composed of the shell's three parts and its reports:
+
+* :class:`~hvd_zoadam.shell.horovod_contract.HorovodContract`: Horovod's contract (hooks,
+  ``synchronize``, ``skip_synchronize``, ``zero_grad``, ``step``, elastic);
+* :class:`~hvd_zoadam.shell.driver.StepDriver`: the step driver;
+* :class:`~hvd_zoadam.shell.torch_optim.ParamGroupsMixin` and
+  :class:`~hvd_zoadam.shell.torch_optim.StateDictMixin`: torch's optimizer contract;
+* :class:`~hvd_zoadam.shell.stats.ReportsMixin`: ``comm_stats``, ``memory_bytes``,
+  ``schedule_state``.
+
+:class:`DistributedAdamOptimizer` builds the state they share; :class:`ZeroOneAdamOptimizer`
+(0/1 Adam) and :class:`OnebitAdamOptimizer` (1-bit Adam) say which algorithm it runs. It
+does no math and names no collective: the math is :mod:`hvd_zoadam.core` (engine,
+algorithms), every collective :mod:`hvd_zoadam.comm`.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from hvd_zoadam import native
+from hvd_zoadam.comm.hierarchical import node_levels
+from hvd_zoadam.comm.protocol import CollectiveNames
+from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core.algorithms.onebit import OnebitAdam as _OnebitAdam
+from hvd_zoadam.core.algorithms.zeroone import ZeroOneAdam
+from hvd_zoadam.core.engine import Engine
+from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.shell.driver import StepDriver
+from hvd_zoadam.shell.horovod_contract import HorovodContract
+from hvd_zoadam.shell.options import STATE_KEY, check_group
+from hvd_zoadam.shell.overlap import Overlap
+from hvd_zoadam.shell.stats import CommStats, ReportsMixin, StepLog
+from hvd_zoadam.shell.torch_optim import ParamGroupsMixin, StateDictMixin
+
+
+class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, ReportsMixin, StateDictMixin,
+                               torch.optim.Optimizer):
+    """The optimizer a user holds: 0/1 Adam or 1-bit Adam over a transport. Build it with
+    :func:`hvd_zoadam.DistributedOptimizer` or :func:`hvd_zoadam.OnebitAdam`; what they return is
+    a :class:`ZeroOneAdamOptimizer` or an :class:`OnebitAdamOptimizer`, both of this class.
+
+    It starts with the ``param_groups`` (lr, betas, eps, weight_decay) of the wrapped
+    ``torch.optim.Adam``/``AdamW``; its own ``param_groups`` are read at every step, so LR
+    schedulers and manual changes take effect at once. ``load_state_dict`` replaces them with
+    new dicts, as torch does: after a load, use the returned optimizer, not the wrapped one
+    (as with ``hvd.DistributedOptimizer``).
+
+    **Communication per step kind** (algorithm.md §2): VARIANCE averages g in full precision;
+    COMPRESSED sends C(g); LOCAL sends nothing; SYNC sends C(accumulated update).
+
+    **synchronize()** performs the gradient exchange of the coming step and writes its
+    result into ``p.grad``: the full-precision average in VARIANCE steps, the 1-bit
+    compressed average ĝ = C(g) in COMPRESSED steps. In LOCAL and SYNC steps it
+    leaves the local gradient in place (the SYNC exchange is of the update and runs
+    inside ``step()``). So ``synchronize(); clip_grad_norm_(...); with
+    skip_synchronize(): step()`` clips the quantity the step will use.
+
+    **State.** Per trainable parameter ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``
+    and ``anchor`` (float32 views of flat per-bucket buffers), so ``state_dict()``,
+    ``torch.save`` and ``hvd.broadcast_optimizer_state`` work as with Adam. All state
+    is created at construction: no collective runs there (elastic forbids it), and
+    ``broadcast_optimizer_state`` never needs its dummy zero-gradient ``step()``.
+    The step counters live in ``param_groups[0]["zoadam"]`` (``step``,
+    ``exp_avg_sq_steps``, ``freeze_lr``) and each group holds the window's
+    ``lr_sum`` (Λ) and ``decay_product``; they are identical on all ranks and travel
+    with ``state_dict()`` and ``broadcast_optimizer_state``. The error buffers are
+    per rank and are *not* in ``state_dict()``: a load keeps this rank's buffers.
+
+    **Memory** (bytes, n = trainable elements, P = world size, B = buckets):
+    ``4·(3n + padded_numel + padded_numel/P)`` for exp_avg, exp_avg_sq, anchor,
+    worker_error, server_error, i.e. about ``(4 + 1/P)·n`` floats with less than
+    ``8P`` padding elements per bucket, plus a reusable scratch of four float32
+    buffers the size of the largest bucket and, at P > 1, each bucket's exchange input
+    (``4·padded_numel``, which the worker side turns into the new ``worker_error`` in the
+    same pass; see :meth:`memory_bytes`).
+    """
+
+    def __init__(self, optimizer, named_parameters, *, schedule: Schedule, transport: Transport,
+                 compression, backward_passes_per_step: int, gradient_predivide_factor: float,
+                 sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
+                 scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
+                 precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True,
+                 algorithm: str = "zoadam", hierarchical=False):
+        self._ready = False
+        # Not super(): built by DistributedOptimizer, this class sits before the wrapped
+        # torch.optim.Adam/AdamW in the MRO, and their __init__ must not run (as in Horovod).
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, dict(optimizer.defaults))
+        self.schedule = schedule
+        self.algorithm = ZeroOneAdam(schedule, precondition_compression) if algorithm == "zoadam" \
+            else _OnebitAdam(schedule.var_freeze_step)
+        self.transport = transport
+        self.world_size = transport.world_size
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.bias_correction = bias_correction
+        self.bucket_cap_numel = bucket_cap_numel
+        self.scale_block_numel = scale_block_numel
+        self.auto_exp_avg_mask = auto_exp_avg_mask
+        self.precondition_compression = precondition_compression
+        self.overlap = overlap
+        self._step_log = None
+        if step_log is not None and ("{rank}" in step_log or transport.rank == 0):
+            self._step_log = StepLog(step_log.format(rank=transport.rank))
+        self._names = self._name_parameters(named_parameters)
+        self._collectives = CollectiveNames.for_layout(self._layout_description(), transport.world_size)
+        self._engine = Engine(self, self._names, self._resolve_masks(exp_avg_mask),
+                              transport, self._collectives, bucket_cap_numel=bucket_cap_numel,
+                              scale_block_numel=scale_block_numel, sparse_as_dense=sparse_as_dense,
+                              bias_correction=bias_correction, auto_exp_avg_mask=auto_exp_avg_mask,
+                              levels=node_levels(transport, hierarchical, self._collectives.prefix))
+        self._average = self._new_average()
+        self._hook_handles = []
+        weakref.finalize(self, _remove_hooks, self._hook_handles)  # a dropped optimizer leaves no hook behind
+        self._passes = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._pending = None          # (step, kind, skip) prepared by synchronize()
+        self._exchanged = False       # p.grad holds this step's exchange result
+        self._checked_layout = False
+        self._amp_seen = False
+        self._warned_changed = False
+        self._stats = CommStats()
+        self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
+        for index, group in enumerate(self.param_groups):
+            check_group(group, index)
+            self._build_group(index)
+        self._overlap = Overlap(len(self._buckets))
+        if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
+                                         if p.requires_grad):
+            raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
+        native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
+        self._ready = True
+
+
+class ZeroOneAdamOptimizer(DistributedAdamOptimizer):
+    """0/1 Adam (Lu, Li, Zhang, De Sa, He, arXiv 2202.06009): what :func:`hvd_zoadam.DistributedOptimizer`
+    returns (with ``algorithm="zoadam"``, the default). See :class:`DistributedAdamOptimizer`."""
+
+
+class OnebitAdamOptimizer(DistributedAdamOptimizer):
+    """1-bit Adam (Tang et al., arXiv 2102.02888): what :func:`hvd_zoadam.OnebitAdam` (or
+    ``DistributedOptimizer(..., algorithm="onebit")``) returns. See :class:`DistributedAdamOptimizer`."""
+
+
+ALGORITHM_CLASSES = {"zoadam": ZeroOneAdamOptimizer, "onebit": OnebitAdamOptimizer}
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+_classes: dict = {}  # (algorithm, the wrapped optimizer's class) -> the class built for them
+
+
+def optimizer_class(algorithm: str, base: type) -> type:
+    """A subclass of the algorithm's class (:data:`ALGORITHM_CLASSES`) and of ``base`` (the wrapped
+    ``torch.optim.Adam``, ``AdamW`` or a subclass of them), made once per pair: so
+    ``isinstance(opt, base)`` holds, as for the class ``hvd.DistributedOptimizer`` builds. The
+    algorithm's class comes first in the MRO and overrides what ``base`` defines (``__init__``,
+    ``step``, ``__setstate__``), so none of ``base``'s own code runs."""
+    cls = _classes.get((algorithm, base))
+    if cls is None:
+        algo_cls = ALGORITHM_CLASSES[algorithm]
+        cls = _classes[(algorithm, base)] = type(algo_cls.__name__, (algo_cls, base),
+                                                 {"__module__": algo_cls.__module__,
+                                                  "__qualname__": algo_cls.__qualname__,
+                                                  "__doc__": algo_cls.__doc__})
+    return cls
