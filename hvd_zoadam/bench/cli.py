@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hvd_zoadam.bench import convergence as _bench_convergence, resume as _bench_resume
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
     "adam-fp16": "(b) Horovod AdamW fp16",

@@ -41,7 +41,7 @@ RUNS = ("adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute"
 
 def _train_lm():
     """examples/train_lm.py as a module (model, corpus, batches, lr schedule)."""
-    path = Path(os.environ.get("HVD_ZOADAM_ROOT", Path(__file__).resolve().parent.parent)) / "examples" / "train_lm.py"
+    path = Path(os.environ.get("HVD_ZOADAM_ROOT", Path(__file__).resolve().parents[2])) / "examples" / "train_lm.py"
     spec = importlib.util.spec_from_file_location("train_lm", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
