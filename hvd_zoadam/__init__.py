@@ -1,10 +1,14 @@
 """hvd_zoadam: 0/1 Adam (Lu et al., arXiv 2202.06009) and 1-bit Adam (Tang et al., arXiv
-2102.02888) as drop-in Horovod DistributedOptimizers.
+2102.02888) as drop-in Horovod DistributedOptimizers, and over ``torch.distributed`` without
+Horovod (:mod:`hvd_zoadam.distributed`).
 
 Public names: :func:`DistributedOptimizer`, :func:`OnebitAdam`, :func:`compressed_allreduce`,
 :func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`, and the
-module :mod:`hvd_zoadam.checkpoint` (``save``, ``load``).
+modules :mod:`hvd_zoadam.checkpoint` (``save``, ``load``) and :mod:`hvd_zoadam.distributed`
+(the torch.distributed front end).
 """
+import sys
+
 from hvd_zoadam import checkpoint  # noqa: F401  (hvd_zoadam.checkpoint.save after import hvd_zoadam)
 from hvd_zoadam.core.layout import padded_numel
 from hvd_zoadam.shell.horovod import DistributedOptimizer, OnebitAdam
@@ -12,6 +16,9 @@ from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, OnebitAdamOptim
 from hvd_zoadam.comm.protocol import NonFiniteError, StepMismatchError, compressed_allreduce
 from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.comm.transport import CollectiveTimeoutError
+from hvd_zoadam.shell import torch_distributed as distributed
+
+sys.modules[__name__ + ".distributed"] = distributed  # import hvd_zoadam.distributed as zd
 
 __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "OnebitAdam", "DistributedAdamOptimizer", "ZeroOneAdamOptimizer",

@@ -24,7 +24,8 @@ def launch_cmd(launcher: str, np_: int, argv: list[str]) -> list[str]:
     """The command line that starts ``argv`` on ``np_`` ranks with ``launcher``.
 
     launcher: ``gloo`` (horovodrun --gloo), ``hvdmpi`` (horovodrun --mpi),
-    ``mpi`` (plain mpirun), or ``single`` (one process, no launcher).
+    ``mpi`` (plain mpirun), ``torchrun`` (torchrun --standalone, a free port of its own), or
+    ``single`` (one process, no launcher).
     """
     py = [sys.executable, *argv]
     horovodrun = str(BIN / "horovodrun")
@@ -35,6 +36,8 @@ def launch_cmd(launcher: str, np_: int, argv: list[str]) -> list[str]:
                 "--mpi-args=--oversubscribe --allow-run-as-root", *py]
     if launcher == "mpi":
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-x", "PATH", *py]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(np_), *argv]
     if launcher == "single":
         return py
     raise ValueError(launcher)

@@ -81,7 +81,7 @@ def test_bench_step_reports_each_kind_against_adamw():
 def test_bench_step_runs_without_horovod_as_on_a_bare_gpu_machine():
     """native/device_check.sh runs `bench step --device cuda` where Horovod may be missing."""
     code = ("import sys; sys.modules['horovod'] = sys.modules['horovod.torch'] = None; "
-            "from hvd_zoadam.bench import main; "
+            "from hvd_zoadam.bench.cli import main; "
             "sys.exit(main(['step', '--n-layer', '1', '--n-embd', '64', '--iters', '1', '--repeats', '1']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

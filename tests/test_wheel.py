@@ -1,12 +1,13 @@
 """The wheel is self-contained: built from the checkout, installed into a fresh venv outside it,
 ``hvd_zoadam`` and ``hvd_zoadam.native`` (shipped from the top-level ``native/`` folder, as
-setup.cfg maps it) import from that venv and work.
+setup.cfg maps it) import from that venv and work, and Horovod is optional: the venv has none,
+and the quick start of ``hvd_zoadam.distributed`` runs there under torchrun.
 
 Nothing is downloaded: the fresh venv reaches torch, numba and numpy through a ``.pth`` file
-that names the directories holding them in the interpreter running the tests. A path line in a
-``.pth`` only joins ``sys.path``; the ``.pth`` files inside that directory (among them the
-checkout's editable install) are not processed, so the checkout stays out of reach, and the
-test checks that before installing the wheel.
+naming a folder of links to the packages of the interpreter running the tests, every one of
+them except Horovod (and the checkout's editable install). A path line in a ``.pth`` only joins
+``sys.path``; the ``.pth`` files inside that folder are not processed, so the checkout stays out
+of reach, and the test checks that before installing the wheel.
 """
 from __future__ import annotations
 
@@ -66,18 +67,21 @@ def _probe(python: Path, code: str, cwd: Path, env: dict) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _dependency_dirs() -> list[str]:
-    """The site-packages directories of this interpreter that hold the runtime dependencies."""
-    import llvmlite
+def _dependency_dirs(farm: Path) -> list[str]:
+    """``[farm]``: a folder of links to every package in the site-packages of this interpreter's
+    torch, numba and numpy, except Horovod and editable installs (a venv without Horovod)."""
     import numba
     import numpy
     import torch
-    dirs = []
-    for mod in (torch, numba, numpy, llvmlite):
-        d = str(Path(mod.__file__).resolve().parent.parent)
-        if d not in dirs:
-            dirs.append(d)
-    return dirs
+    farm.mkdir()
+    for mod in (torch, numba, numpy):
+        for entry in Path(mod.__file__).resolve().parent.parent.iterdir():
+            low = entry.name.lower()
+            if low.startswith(("horovod", "__editable__", "hvd_zoadam")) or low.endswith(".pth"):
+                continue
+            if not (farm / entry.name).exists():
+                (farm / entry.name).symlink_to(entry)
+    return [str(farm)]
 
 
 def _source_modules() -> set[str]:
@@ -119,12 +123,12 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
         purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], work, env,
                        timeout=120).stdout.strip()
         assert _inside(purelib, venv), purelib
-        dep_dirs = _dependency_dirs()
+        dep_dirs = _dependency_dirs(tmp / "site")
         (Path(purelib) / "zz_host_dependencies.pth").write_text("".join(d + "\n" for d in dep_dirs))
 
         before = _probe(python, PROBE_BEFORE_INSTALL, work, env)
         assert _inside(before["prefix"], venv), before
-        assert all(any(_inside(f, Path(d)) for d in dep_dirs) for f in before["deps"]), before
+        assert all(any(f.startswith(d + "/") for d in dep_dirs) for f in before["deps"]), before  # through the links
         # the checkout's editable install is not activated through the added directory
         assert before["editable_finders"] == [] and before["editable_modules"] == [], before
         assert before["hvd_zoadam"] is None or not _inside(before["hvd_zoadam"], ROOT), before
@@ -138,3 +142,15 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
         assert after["padded_numel_5_2"] == 16
         # MSB first, +1 -> bit 1, ±0 -> +1: 1,0,1,1,1,1,0,0 = 0b10111100
         assert after["packed"] == [188] and after["packed_dtype"] == "torch.uint8", after
+
+        # Horovod is optional: none in this venv, and the quick start without it runs under torchrun.
+        assert _run([python, "-c", "import importlib.util; print(importlib.util.find_spec('horovod'))"], work, env,
+                    timeout=120).stdout.strip() == "None"
+        script = work / "quickstart_distributed.py"
+        script.write_text((ROOT / "examples" / "quickstart_distributed.py").read_text())
+        proc = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script], work,
+                    {**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("loss ")]
+        assert line and "over torch.distributed (gloo)" in line[0], proc.stdout + proc.stderr
+        first, last = (float(v) for v in line[0].split(";")[0][5:].split(" -> "))
+        assert last < 0.1 * first, line[0]

@@ -36,7 +36,8 @@ import torch
 
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import padded_numel, segment_offsets
-from hvd_zoadam.comm.transport import Transport, make_transport
+from hvd_zoadam.comm.select import make_transport
+from hvd_zoadam.comm.transport import Transport
 
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks

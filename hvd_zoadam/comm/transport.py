@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-TRANSPORTS = ("auto", "horovod", "mpi")  # the names the ``transport`` argument accepts
+TRANSPORTS = ("auto", "horovod", "mpi", "torch.distributed")  # the names the ``transport`` argument accepts
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -671,34 +671,3 @@ class ThreadTransport(Transport):
         cross = ThreadTransport(g.subgroup((name, "cross", local_rank), nodes), node)
         intra.counter, cross.counter = CommCounter(self.counter), CommCounter(self.counter)
         return intra, cross
-
-
-def make_transport(transport, process_set=None) -> Transport:
-    """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
-
-    ``transport``: a :class:`Transport` (returned as it is), or one of :data:`TRANSPORTS`:
-    ``"mpi"`` (:class:`MPITransport`), ``"horovod"`` (:class:`HorovodTransport`), ``"auto"``
-    (``"mpi"`` where :func:`mpi_unavailable_reason` finds nothing against it).
-
-    Raises:
-        ValueError: unknown name, or Horovod not initialised, or this rank outside the set,
-            or ``"mpi"`` where it cannot work (the reason named).
-    """
-    if isinstance(transport, Transport):
-        return transport
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
-    import horovod.torch as hvd
-
-    from hvd_zoadam import native
-    if not hvd.is_initialized():
-        raise ValueError("Horovod has not been initialized; call hvd.init() before building "
-                         "hvd_zoadam.DistributedOptimizer or calling compressed_allreduce")
-    process_set = hvd.global_process_set if process_set is None else process_set
-    if not process_set.included():
-        raise ValueError(f"this rank ({hvd.rank()}) is not in the process_set {process_set}; build the "
-                         "optimizer only on the ranks of the process set it trains with")
-    native.configure_threads(hvd.local_size())
-    if transport == "mpi" or (transport == "auto" and mpi_unavailable_reason() is None):
-        return MPITransport(process_set)
-    return HorovodTransport(process_set)

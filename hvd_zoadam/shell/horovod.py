@@ -5,14 +5,10 @@ optimizer of :mod:`hvd_zoadam.shell.optimizer` over a Horovod (or mpi4py) transp
 """
 from __future__ import annotations
 
-import torch
-
-from hvd_zoadam.comm.transport import Transport, make_transport
-from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.shell.elastic import register_state_handler
-from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, optimizer_class
-from hvd_zoadam.shell.options import (check_arguments, check_group, check_horovod_arguments,
-                                      check_named_parameters)
+from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
+from hvd_zoadam.shell.options import check_horovod_arguments
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
@@ -112,55 +108,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     try:
         import horovod.torch as hvd
     except ImportError:
-        if not isinstance(transport, Transport) or compression is not None or op is not None:
+        if compression is not None or op is not None:
             raise
-        hvd = None  # an explicit transport (e.g. thread-ranks in tests) needs no Horovod
+        hvd = None  # an explicit transport (e.g. thread-ranks in tests) or torch.distributed needs no Horovod
 
     register_state_handler(DistributedAdamOptimizer)
-    if isinstance(optimizer, DistributedAdamOptimizer):
-        raise TypeError("this optimizer is already an hvd_zoadam optimizer; wrap the plain torch.optim.Adam once")
-    if type(optimizer).__module__ == "horovod.torch.optimizer":
-        raise TypeError("this optimizer was already wrapped by hvd.DistributedOptimizer; pass the plain "
-                        "torch.optim.Adam/AdamW to hvd_zoadam.DistributedOptimizer instead")
-    if not isinstance(optimizer, torch.optim.Adam):
-        raise TypeError("hvd_zoadam.DistributedOptimizer supports torch.optim.Adam (L2 weight decay) and "
-                        f"torch.optim.AdamW (decoupled weight decay); got {type(optimizer).__name__}")
     compression, op = check_horovod_arguments(hvd, compression, op)
-    scale_block_numel = check_arguments(
+    return build_optimizer(
+        optimizer, named_parameters, lambda: make_transport(transport, process_set),
+        front_end="hvd_zoadam.DistributedOptimizer", compression=compression,
         backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
-        groups=groups, sparse_as_dense=sparse_as_dense, bias_correction=bias_correction,
-        local_step_policy=local_step_policy, scale_block_numel=scale_block_numel, bucket_cap_mb=bucket_cap_mb)
-    if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
-        raise ValueError(f"hierarchical must be False, True or 'auto', got {hierarchical!r}")
-    if algorithm not in ("zoadam", "onebit"):
-        raise ValueError(f"algorithm must be 'zoadam' (0/1 Adam) or 'onebit' (1-bit Adam), got {algorithm!r}")
-    if algorithm == "onebit":
-        zoadam_only = dict(var_update_scaler=(var_update_scaler, 16), local_step_scaler=(local_step_scaler, 32768),
-                           local_step_clipper=(local_step_clipper, 16), local_step_policy=(local_step_policy, "steps"),
-                           precondition_compression=(precondition_compression, True))
-        for name, (value, default) in zoadam_only.items():
-            if value != default:
-                raise ValueError(f"{name}={value!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
-                                 "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
-        var_update_scaler = 1  # every warm-up step updates v
-    schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
-                        local_step_policy)
-    # Every argument is checked before Horovod is asked anything (initialised? in the process set?).
-    if named_parameters is not None:
-        named_parameters = list(named_parameters)
-    check_named_parameters(optimizer.param_groups, named_parameters)
-    for index, group in enumerate(optimizer.param_groups):
-        check_group(group, index)
-    transport = make_transport(transport, process_set)
-    return optimizer_class(algorithm, type(optimizer))(
-        optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,
-        backward_passes_per_step=backward_passes_per_step,
-        gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
-        bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
-        scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask),
-        precondition_compression=bool(precondition_compression), step_log=step_log, overlap=bool(overlap),
-        algorithm=algorithm, hierarchical=hierarchical)
-
+        groups=groups, sparse_as_dense=sparse_as_dense, var_freeze_step=var_freeze_step,
+        var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
+        local_step_clipper=local_step_clipper, local_step_policy=local_step_policy, bias_correction=bias_correction,
+        bucket_cap_mb=bucket_cap_mb, scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask,
+        auto_exp_avg_mask=auto_exp_avg_mask, precondition_compression=precondition_compression, step_log=step_log,
+        overlap=overlap, algorithm=algorithm, hierarchical=hierarchical)
 
 def OnebitAdam(optimizer, named_parameters=None, *, freeze_step, **kwargs):
     """1-bit Adam (Tang et al., arXiv 2102.02888) over Horovod: ``DistributedOptimizer(optimizer,

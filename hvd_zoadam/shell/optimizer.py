@@ -29,7 +29,7 @@ from hvd_zoadam.core.engine import Engine
 from hvd_zoadam.core.schedule import Schedule
 from hvd_zoadam.shell.driver import StepDriver
 from hvd_zoadam.shell.horovod_contract import HorovodContract
-from hvd_zoadam.shell.options import STATE_KEY, check_group
+from hvd_zoadam.shell.options import STATE_KEY, check_arguments, check_group, check_named_parameters
 from hvd_zoadam.shell.overlap import Overlap
 from hvd_zoadam.shell.stats import CommStats, ReportsMixin, StepLog
 from hvd_zoadam.shell.torch_optim import ParamGroupsMixin, StateDictMixin
@@ -171,3 +171,58 @@ def optimizer_class(algorithm: str, base: type) -> type:
                                                   "__qualname__": algo_cls.__qualname__,
                                                   "__doc__": algo_cls.__doc__})
     return cls
+
+
+def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end: str, compression,
+                    backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense, var_freeze_step,
+                    var_update_scaler, local_step_scaler, local_step_clipper, local_step_policy, bias_correction,
+                    bucket_cap_mb, scale_block_numel, exp_avg_mask, auto_exp_avg_mask, precondition_compression,
+                    step_log, overlap, algorithm, hierarchical):
+    """What every front end does (``hvd_zoadam.DistributedOptimizer``,
+    ``hvd_zoadam.distributed.DistributedOptimizer``): check the wrapped optimizer and every knob,
+    then ``resolve_transport()`` (a callable returning the :class:`Transport`: only once every
+    argument is checked), then build the optimizer of ``algorithm``'s class. ``front_end``: the
+    name the error texts give. Raises as the front ends' docstrings say."""
+    if isinstance(optimizer, DistributedAdamOptimizer):
+        raise TypeError("this optimizer is already an hvd_zoadam optimizer; wrap the plain torch.optim.Adam once")
+    if type(optimizer).__module__ == "horovod.torch.optimizer":
+        raise TypeError("this optimizer was already wrapped by hvd.DistributedOptimizer; pass the plain "
+                        f"torch.optim.Adam/AdamW to {front_end} instead")
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError(f"{front_end} supports torch.optim.Adam (L2 weight decay) and "
+                        f"torch.optim.AdamW (decoupled weight decay); got {type(optimizer).__name__}")
+    scale_block_numel = check_arguments(
+        backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
+        groups=groups, sparse_as_dense=sparse_as_dense, bias_correction=bias_correction,
+        local_step_policy=local_step_policy, scale_block_numel=scale_block_numel, bucket_cap_mb=bucket_cap_mb)
+    if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
+        raise ValueError(f"hierarchical must be False, True or 'auto', got {hierarchical!r}")
+    if algorithm not in ("zoadam", "onebit"):
+        raise ValueError(f"algorithm must be 'zoadam' (0/1 Adam) or 'onebit' (1-bit Adam), got {algorithm!r}")
+    if algorithm == "onebit":
+        zoadam_only = dict(var_update_scaler=(var_update_scaler, 16), local_step_scaler=(local_step_scaler, 32768),
+                           local_step_clipper=(local_step_clipper, 16), local_step_policy=(local_step_policy, "steps"),
+                           precondition_compression=(precondition_compression, True))
+        for name, (value, default) in zoadam_only.items():
+            if value != default:
+                raise ValueError(f"{name}={value!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
+                                 "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
+        var_update_scaler = 1  # every warm-up step updates v
+    schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
+                        local_step_policy)
+    # Every argument is checked before the transport is asked anything (initialised? in the group?).
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    check_named_parameters(optimizer.param_groups, named_parameters)
+    for index, group in enumerate(optimizer.param_groups):
+        check_group(group, index)
+    transport = resolve_transport()
+    return optimizer_class(algorithm, type(optimizer))(
+        optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
+        bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),
+        scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=bool(auto_exp_avg_mask),
+        precondition_compression=bool(precondition_compression), step_log=step_log, overlap=bool(overlap),
+        algorithm=algorithm, hierarchical=hierarchical)
+

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 
 import torch
@@ -85,3 +86,19 @@ def digests_by_rank(hvd, tensors, process_set=None) -> list:
         return hvd.allgather_object(h.hexdigest()[:12])
     mine = torch.tensor(list(h.digest()[:6]), dtype=torch.uint8).view(1, 6)
     return [bytes(row.tolist()).hex() for row in hvd.allgather(mine, process_set=process_set)]
+
+
+def front_end():
+    """``(hvd, DistributedOptimizer, transport class)`` for a worker: Horovod's module, the
+    Horovod front end and ``MPITransport``; or, when ``HVD_ZOADAM_TEST_FRONT_END`` is
+    ``torch.distributed`` (jobs launched by torchrun), the stand-in of ``tdist_shim.py``, the
+    front end of :mod:`hvd_zoadam.distributed` and its transport, with no Horovod imported."""
+    if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "torch.distributed":
+        import tdist_shim
+        import hvd_zoadam.distributed
+        from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport
+        return tdist_shim, hvd_zoadam.distributed.DistributedOptimizer, TorchDistributedTransport
+    import horovod.torch as hvd
+    import hvd_zoadam
+    from hvd_zoadam.comm.transport import MPITransport
+    return hvd, hvd_zoadam.DistributedOptimizer, MPITransport

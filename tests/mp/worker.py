@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import sys
 
-import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
+
+hvd, FRONT_END, _ = common.front_end()  # Horovod, or torch.distributed under torchrun
 
 TRANSPORT = os.environ.get("HVD_ZOADAM_TEST_TRANSPORT", "auto")
 
@@ -79,7 +80,7 @@ def scenario_adam_oracle(out):
         key = f"{cls.__name__}-{wd}"
         base, _, _ = train(lambda m: hvd.DistributedOptimizer(cls(m.parameters(), lr=common.LR, weight_decay=wd),
                                                                named_parameters=m.named_parameters()), 12)
-        zoa, _, _ = train(lambda m: hvd_zoadam.DistributedOptimizer(
+        zoa, _, _ = train(lambda m: FRONT_END(
             cls(m.parameters(), lr=common.LR, weight_decay=wd), named_parameters=m.named_parameters(),
             var_freeze_step=1000, var_update_scaler=10 ** 9), 12)
         res[key] = {"adam": [p.detach().clone() for p in base.parameters()],
@@ -90,7 +91,7 @@ def scenario_adam_oracle(out):
 def scenario_train(out):
     res = {}
     for cls, wd in ((torch.optim.Adam, 0.0), (torch.optim.AdamW, 0.05)):
-        model, opt, per_step = train(lambda m: hvd_zoadam.DistributedOptimizer(
+        model, opt, per_step = train(lambda m: FRONT_END(
             cls(m.parameters(), lr=common.LR, weight_decay=wd), named_parameters=m.named_parameters(),
             transport=TRANSPORT, **common.TRAIN), common.TRAIN_STEPS, record_sync=True)
         res[f"{cls.__name__}-{wd}"] = {"per_step": per_step, "stats": opt.comm_stats(), "transport": opt.transport.name,
@@ -102,7 +103,7 @@ def scenario_overlap(out):
     """Several buckets (bucket_cap_mb tiny), overlap on and off: the same parameters bit for bit."""
     res = {}
     for overlap in (True, False):
-        model, opt, _ = train(lambda m: hvd_zoadam.DistributedOptimizer(
+        model, opt, _ = train(lambda m: FRONT_END(
             torch.optim.AdamW(m.parameters(), lr=common.LR, weight_decay=0.01), named_parameters=m.named_parameters(),
             transport=TRANSPORT, bucket_cap_mb=40 * 4 / 2 ** 20, overlap=overlap, **common.TRAIN), common.TRAIN_STEPS)
         res[overlap] = {"params": [p.detach().clone() for p in model.parameters()], "buckets": len(opt._buckets),
@@ -113,8 +114,10 @@ def scenario_overlap(out):
 def main():
     hvd.init()
     out = {"rank": hvd.rank(), "size": hvd.size(), "mpi_enabled": hvd.mpi_enabled()}
+    out["horovod_imported"] = "horovod" in sys.modules
     for scenario in (scenario_car, scenario_adam_oracle, scenario_train, scenario_overlap):
         scenario(out)
+    out["horovod_imported_after"] = "horovod" in sys.modules
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 
-import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,13 +19,14 @@ import common  # noqa: E402
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange  # noqa: E402
 from hvd_zoadam.core.layout import scale_segments  # noqa: E402
-from hvd_zoadam.comm.transport import MPITransport  # noqa: E402
+
+hvd, FRONT_END, TRANSPORT = common.front_end()  # mpirun: MPITransport; torchrun: torch.distributed
 
 NUMELS = scale_segments([5000, 37, 3000], 256)
 
 
 def scenario_exchange(out):
-    transport = MPITransport()
+    transport = TRANSPORT()
     intra, cross = transport.node_split("w")
     ex = HierarchicalExchange(NUMELS, transport, (intra, cross), "w")
     n = sum(NUMELS)
@@ -50,9 +50,8 @@ def scenario_train(out):
     res = {}
     for hierarchical in (True, False):
         model = common.mlp()
-        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
-                                              named_parameters=model.named_parameters(), transport="mpi",
-                                              hierarchical=hierarchical, **common.TRAIN)
+        opt = FRONT_END(torch.optim.Adam(model.parameters(), lr=common.LR), named_parameters=model.named_parameters(),
+                        transport=TRANSPORT(), hierarchical=hierarchical, **common.TRAIN)
         for t in range(1, common.TRAIN_STEPS + 1):
             opt.zero_grad()
             common.loss_fn(model, t, hvd.rank()).backward()

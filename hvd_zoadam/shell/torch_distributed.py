@@ -1,0 +1,159 @@
+"""The torch.distributed front end: 0/1 Adam and 1-bit Adam without Horovod.
+
+For scripts launched by ``torchrun`` (or ``srun ... torchrun``) that own a ``torch.distributed``
+process group: Gloo on CPU tensors, NCCL on CUDA tensors. The one-line change from a
+``torchrun`` + AdamW script that used ``DistributedDataParallel``::
+
+    import hvd_zoadam.distributed as zd
+    dist.init_process_group("gloo")                # or "nccl"; as before
+    # model = DDP(model)                           # drop this: 0/1 Adam does the exchange
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = zd.DistributedOptimizer(opt, model.named_parameters())
+    zd.broadcast_parameters(model.state_dict(), root_rank=0)
+    zd.broadcast_optimizer_state(opt, root_rank=0)
+
+Every 0/1 Adam and 1-bit Adam option has the name and default of
+:func:`hvd_zoadam.DistributedOptimizer`; Horovod's own arguments (``compression``, ``op``,
+``groups``, ``gradient_predivide_factor``, ``process_set``) are replaced by ``process_group``
+(default: the default group; a group from ``torch.distributed.new_group`` takes the place of
+a Horovod process set). Results are those of the Horovod front end over the same exchange.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport, torch_distributed_unavailable_reason
+from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.shell.optimizer import build_optimizer
+
+__all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *, backward_passes_per_step=1,
+                         var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32768,
+                         local_step_clipper=16, local_step_policy="steps", bias_correction=True, transport="auto",
+                         bucket_cap_mb=25.0, scale_block_numel=2048, exp_avg_mask=None, auto_exp_avg_mask=True,
+                         precondition_compression=True, step_log=None, overlap=True, algorithm="zoadam",
+                         hierarchical=False):
+    """Wrap a ``torch.optim.Adam``/``AdamW`` into 0/1 Adam (or 1-bit Adam) over a
+    ``torch.distributed`` process group, without Horovod.
+
+    Args:
+        optimizer: a plain ``torch.optim.Adam`` or ``AdamW`` over the model's parameters.
+        named_parameters: ``model.named_parameters()``; the names key the settings and layout
+            check across ranks (recommended; without them parameters are named by position).
+        process_group: the ranks that train together (default: the default group).
+        transport: ``"auto"`` or ``"torch.distributed"`` (the same here), or a
+            :class:`~hvd_zoadam.comm.transport.Transport`.
+        hierarchical: the two-level exchange (docs/algorithm.md §3) with nodes of
+            ``LOCAL_WORLD_SIZE`` ranks (what torchrun sets), or blocks of
+            ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks when that is set.
+        The other knobs: as :func:`hvd_zoadam.DistributedOptimizer`.
+
+    Returns:
+        A :class:`~hvd_zoadam.shell.optimizer.ZeroOneAdamOptimizer` (or
+        :class:`~hvd_zoadam.shell.optimizer.OnebitAdamOptimizer`), also an instance of
+        ``type(optimizer)``, with ``synchronize()``/``skip_synchronize()`` for gradient clipping.
+
+    Raises:
+        TypeError, ValueError: as :func:`hvd_zoadam.DistributedOptimizer`; also ValueError when
+            ``torch.distributed`` is not initialised, when a parameter's device does not suit
+            the group's backend (CUDA over Gloo, CPU over NCCL), or when a parameter belongs
+            to a model wrapped in ``DistributedDataParallel`` (which would average every
+            gradient a second time), each naming the fix.
+    """
+    if transport not in ("auto", "torch.distributed") and not isinstance(transport, Transport):
+        raise ValueError(f"transport must be 'auto' or 'torch.distributed' here (or a Transport instance), got "
+                         f"{transport!r}; for Horovod's collectives use hvd_zoadam.DistributedOptimizer")
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    _refuse_ddp(optimizer)
+
+    def resolve():
+        if isinstance(transport, Transport):
+            return transport
+        reason = torch_distributed_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"hvd_zoadam.distributed.DistributedOptimizer: {reason}")
+        made = TorchDistributedTransport(process_group)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                made.check_device(p.device)
+        return made
+    return build_optimizer(
+        optimizer, named_parameters, resolve, front_end="hvd_zoadam.distributed.DistributedOptimizer",
+        compression=None, backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=1.0,
+        groups=None, sparse_as_dense=False, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
+        local_step_policy=local_step_policy, bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb,
+        scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=auto_exp_avg_mask,
+        precondition_compression=precondition_compression, step_log=step_log, overlap=overlap,
+        algorithm=algorithm, hierarchical=hierarchical)
+
+
+def OnebitAdam(optimizer, named_parameters=None, process_group=None, *, freeze_step, **kwargs):
+    """1-bit Adam (Tang et al., arXiv 2102.02888) over a ``torch.distributed`` process group:
+    ``DistributedOptimizer(optimizer, named_parameters, process_group, algorithm="onebit",
+    var_freeze_step=freeze_step, **kwargs)`` (see :func:`hvd_zoadam.OnebitAdam`)."""
+    return DistributedOptimizer(optimizer, named_parameters, process_group, algorithm="onebit",
+                                var_freeze_step=freeze_step, **kwargs)
+
+
+def _refuse_ddp(optimizer) -> None:
+    """ValueError when a parameter of ``optimizer`` belongs to a live ``DistributedDataParallel``."""
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    ddp = torch.nn.parallel.DistributedDataParallel
+    for obj in gc.get_objects():
+        if isinstance(obj, ddp) and any(id(p) in params for p in obj.parameters()):
+            raise ValueError("the model is wrapped in torch.nn.parallel.DistributedDataParallel, which averages "
+                             "every gradient in full precision before 0/1 Adam's own exchange: build the "
+                             "optimizer on the plain model (drop the DDP wrapper) and let hvd_zoadam exchange")
+
+
+def _group_root(root_rank: int, process_group):
+    import torch.distributed as dist
+    return dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
+
+
+def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None:
+    """``hvd.broadcast_parameters`` over ``torch.distributed``: every rank's tensors become
+    ``root_rank``'s, in place. ``params``: ``model.state_dict()``, ``model.named_parameters()``
+    or a list of ``(name, tensor)``; the order of the names is what pairs the tensors, and it
+    must be the same on every rank. ``root_rank`` is a rank of ``process_group``.
+    Collective over the group."""
+    import torch.distributed as dist
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    src = _group_root(root_rank, process_group)
+    with torch.no_grad():
+        for _, tensor in items:
+            if isinstance(tensor, torch.Tensor):
+                dist.broadcast(tensor.data, src=src, group=process_group)
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None) -> None:
+    """``hvd.broadcast_optimizer_state`` over ``torch.distributed``: every rank takes
+    ``root_rank``'s ``state_dict()`` (m, v, the anchor, the schedule counters, lr and the other
+    group settings), then ``load_state_dict`` of it. The error buffers stay each rank's own.
+    Collective over the group.
+
+    Raises:
+        ValueError: the ranks' optimizers hold different state layouts (both named).
+    """
+    import torch.distributed as dist
+    state = optimizer.state_dict()
+    keys = [(pid, k) for pid in sorted(state["state"]) for k in sorted(state["state"][pid])
+            if isinstance(state["state"][pid][k], torch.Tensor)]
+    meta = [(state["param_groups"], keys)]
+    dist.broadcast_object_list(meta, src=_group_root(root_rank, process_group), group=process_group)
+    root_groups, root_keys = meta[0]
+    if root_keys != keys:
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer holds the state tensors "
+                         f"{root_keys[:4]}..., this rank's {keys[:4]}...: build the same model and optimizer on "
+                         "every rank")
+    src = _group_root(root_rank, process_group)
+    with torch.no_grad():
+        for pid, k in keys:
+            dist.broadcast(state["state"][pid][k], src=src, group=process_group)
+    optimizer.load_state_dict({"state": state["state"], "param_groups": root_groups})

@@ -1,0 +1,88 @@
+"""The torch.distributed front end under torchrun (Gloo): the same oracle tests as the Horovod jobs.
+
+The jobs run ``tests/mp/worker.py`` with ``HVD_ZOADAM_TEST_FRONT_END=torch.distributed``: it
+builds its optimizers with :mod:`hvd_zoadam.distributed` and imports no Horovod. Each test of
+``test_multiprocess`` imported here runs again on these jobs: the 1-bit exchange's outputs and
+both error buffers bitwise equal to the in-process oracle, every VARIANCE-only run equal to
+data-parallel Adam, training equal to the oracle and bitwise identical across ranks after every
+sync, the byte counts by the documented formulas, overlap with the same parameters.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_ranks, run_job
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+
+from test_multiprocess import (test_all_variance_steps_equal_horovod_adam,  # noqa: E402,F401
+                               test_comm_stats_count_bytes_by_the_documented_formulas,
+                               test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
+                               test_compressed_allreduce_matches_simulation_bitwise,
+                               test_non_finite_input_raises_on_every_rank_and_leaves_buffers,
+                               test_overlap_with_backward_gives_the_same_parameters,
+                               test_training_matches_simulation_and_syncs_are_bitwise)
+
+import hvd_zoadam.distributed as zd  # noqa: E402
+from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport  # noqa: E402
+
+FRONT_END = {"HVD_ZOADAM_TEST_FRONT_END": "torch.distributed"}
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"torchrun-np{n}")
+def job(request, tmp_path_factory):
+    np_ = request.param
+    out = tmp_path_factory.mktemp(f"torchrun{np_}")
+    run_job("torchrun", np_, ["tests/mp/worker.py", str(out)], env=FRONT_END)
+    ranks = load_ranks(out, np_)
+    assert [r["rank"] for r in ranks] == list(range(np_)) and all(r["size"] == np_ for r in ranks)
+    for r in ranks:
+        assert r["horovod_imported"] is False
+        assert all(res["transport"] == "torch.distributed" for res in r["train"].values())
+        assert r["train"]["Adam-0.0"]["stats"]["transport"] == "torch.distributed (gloo)"
+    return np_, ranks
+
+
+@pytest.fixture(scope="module", params=[(4, 2), (2, 1)], ids=["torchrun-np4-L2", "torchrun-np2-L1"])
+def mpi_job(request, tmp_path_factory):
+    """The two-level jobs of test_hierarchical under torchrun: nodes of ``L`` ranks
+    (HVD_ZOADAM_RANKS_PER_NODE), the worker of the MPI two-level tests on the torch.distributed
+    transport; the tests below are test_hierarchical's, run again on these jobs."""
+    p, local = request.param
+    out = tmp_path_factory.mktemp(f"torchrun-hier{p}{local}")
+    run_job("torchrun", p, ["tests/mp/worker_hier.py", str(out)],
+            env={**FRONT_END, "HVD_ZOADAM_RANKS_PER_NODE": str(local)})
+    return p, local, load_ranks(out, p)
+
+
+from test_hierarchical import (test_mpi_training_runs_equal_the_simulation_flat_and_two_level,  # noqa: E402,F401
+                               test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula)
+
+
+def test_a_stalled_peer_raises_collective_timeout_naming_the_collective():
+    proc = run_job("torchrun", 2, ["tests/mp/worker_tdist_fault.py"], check=False, timeout_s=120,
+                   env={"HVD_ZOADAM_TIMEOUT_S": "3"})
+    assert "CollectiveTimeoutError" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "did not complete within 3 s" in proc.stdout + proc.stderr
+
+
+def test_wrong_input_is_refused_by_name_on_every_rank(tmp_path):
+    proc = run_job("torchrun", 2, ["tests/mp/worker_tdist_refusals.py", str(tmp_path)])
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert "DistributedDataParallel" in got["ddp"] and "drop the DDP wrapper" in got["ddp"]
+        assert "cannot travel over the 'gloo' backend" in got["cuda_over_gloo"]
+        assert "settings differ across ranks" in got["mismatch"] or "var_freeze_step" in got["mismatch"], got
+    assert proc.returncode == 0
+
+
+def test_an_uninitialised_process_group_is_refused_by_name():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        zd.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model.named_parameters())
+    with pytest.raises(ValueError, match="init_process_group"):
+        TorchDistributedTransport()
