@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hvd_zoadam.bench.lm import _train_lm, _val_loss
+from hvd_zoadam.bench.lm import StepClock, _train_lm, _val_loss
 
 
 def _my_address(master: str) -> str:
@@ -91,13 +91,10 @@ def main(argv=None):
                       timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
                       connect_timeout=timedelta(seconds=60))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
-    losses, stamps, val_curve, eval_s, eval_timed = [], {}, [], 0.0, 0.0
-    start = None
+    losses, clock = [], StepClock(args.skip)
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every):
         for step in range(1, args.steps + 1):
-            stamps[step] = time.perf_counter()
-            if step == args.skip + 1:
-                start = stamps[step]
+            clock.tick(step)
             x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
             inner.zero_grad()
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -106,18 +103,13 @@ def main(argv=None):
             sched.step()
             losses.append(loss.item())
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                t0 = time.perf_counter()
-                val = _val_loss(model, val_batches, None, None, 1, step)  # rank 0's own model
-                val_curve.append((step, t0 - stamps[1] - eval_s, val))
-                eval_s += time.perf_counter() - t0
-                eval_timed += (time.perf_counter() - t0) if start is not None else 0.0
-    end = time.perf_counter()
-    elapsed = end - start - eval_timed
+                clock.validate(step, lambda: _val_loss(model, val_batches, None, None, 1, step))  # rank 0's model
+    elapsed = clock.elapsed()
     syncs = manager.current_step()
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed,
            "final_loss": sum(losses[-10:]) / len(losses[-10:]), "steady_steps_per_s": None,
-           "params": sum(p.numel() for p in model.parameters()), "val_curve": val_curve, "eval_seconds": eval_s,
+           "params": sum(p.numel() for p in model.parameters()), "val_curve": clock.val_curve, "eval_seconds": clock.eval_s,
            "syncs_committed": syncs, "syncs_expected": args.steps // args.sync_every,
            "rounds": syncs, "config": {"sync_every": args.sync_every, "outer": "SGD(0.7, 0.9, nesterov)",
                                        "torchft": "0.2.0", "quantization": False}}

@@ -48,6 +48,36 @@ def _train_lm():
     return mod
 
 
+class StepClock:
+    """The wall clock of a timed run: a stamp at the start of every step, the timed span from
+    step ``skip + 1`` on, and the validations, whose seconds never count in the span.
+    ``val_curve``: ``(step, wall seconds since step 1 less the validations so far, val loss)``."""
+
+    def __init__(self, skip: int):
+        self.skip, self.stamps, self.start, self.end = skip, {}, None, None
+        self.eval_s, self.eval_timed, self.val_curve, self.eval_at = 0.0, 0.0, [], {}
+
+    def tick(self, step: int) -> None:
+        self.stamps[step] = time.perf_counter()
+        if step == self.skip + 1:
+            self.start = self.stamps[step]
+
+    def validate(self, step: int, val_loss) -> None:
+        """Run ``val_loss()`` (a float) outside the timed span."""
+        t0 = time.perf_counter()
+        val = val_loss()
+        self.val_curve.append((step, t0 - self.stamps[1] - self.eval_s, val))
+        took = time.perf_counter() - t0
+        self.eval_s += took
+        self.eval_timed += took if self.start is not None else 0.0
+        self.eval_at[step] = took
+
+    def elapsed(self) -> float:
+        """Seconds of the timed span, validations excluded (call once, after the last step)."""
+        self.end = time.perf_counter()
+        return self.end - self.start - self.eval_timed
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", choices=RUNS, required=True)
@@ -165,14 +195,10 @@ def main(argv=None):
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
-    losses, stamps = [], {}
+    losses, clock = [], StepClock(args.skip)
     kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
-    start = None
-    eval_s, eval_timed, val_curve, eval_at = 0.0, 0.0, [], {}  # val_curve: (step, wall s since step 1 less evaluations, val)
     for step in range(1, args.steps + 1):
-        stamps[step] = time.perf_counter()
-        if step == args.skip + 1:
-            start = stamps[step]
+        clock.tick(step)
         x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
         opt.zero_grad()
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
@@ -183,23 +209,17 @@ def main(argv=None):
             after = opt.comm_stats()
             kind = next(k for k in ("variance", "compressed", "local", "sync")
                         if after[k]["steps"] > before[k]["steps"])
-            kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - stamps[step]
+            kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - clock.stamps[step]
         if averager is not None:
             averager.average_parameters(model.parameters())
         sched.step()
         losses.append(loss.item())
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            t0 = time.perf_counter()
-            val = _val_loss(model, val_batches, hvd, dist, world, step)
-            val_curve.append((step, t0 - stamps[1] - eval_s, val))
-            eval_s += time.perf_counter() - t0
-            eval_timed += (time.perf_counter() - t0) if start is not None else 0.0
-            eval_at[step] = time.perf_counter() - t0
-    end = time.perf_counter()
-    elapsed = end - start - eval_timed  # steps/s and wall times never include evaluations
+            clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, world, step))
+    elapsed = clock.elapsed()  # steps/s and wall times never include evaluations
     steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
-    steady = ((args.steps - steady_from + 1) / (end - stamps[steady_from] - sum(d for t, d in eval_at.items()
-                                                                              if t >= steady_from))
+    steady = ((args.steps - steady_from + 1) / (clock.end - clock.stamps[steady_from]
+                                                - sum(d for t, d in clock.eval_at.items() if t >= steady_from))
               if steady_from <= args.steps else None)
     final = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
     if hvd is not None:
@@ -210,7 +230,7 @@ def main(argv=None):
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
            "steady_steps_per_s": steady, "steady_from_step": steady_from,
-           "params": n_params, "val_curve": val_curve, "eval_seconds": eval_s}
+           "params": n_params, "val_curve": clock.val_curve, "eval_seconds": clock.eval_s}
     if args.run == "onebit":
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],

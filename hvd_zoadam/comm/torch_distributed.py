@@ -12,6 +12,7 @@ rounds are counted with the table of :mod:`hvd_zoadam.comm.transport`.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -122,10 +123,17 @@ class TorchDistributedTransport(Transport):
             "ranks issue different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
 
     def allgather_object(self, obj, name):
-        """Every rank's picklable ``obj`` in rank order (these bytes come from this job's own ranks)."""
-        out = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Every rank's picklable ``obj`` in rank order (these bytes come from this job's own
+        ranks): two uncounted allgathers under the same deadline as every collective (the
+        sizes, then the pickles padded to the longest), so a peer that never arrives at set-up
+        raises :class:`CollectiveTimeoutError` too."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        gather = lambda t, part: self.wait(self.start("allgather", t, f"{name}.{part}", count=False))  # noqa: E731
+        sizes = gather(torch.tensor([data.numel()], dtype=torch.int64), "sizes").tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        rows = gather(padded, "data").view(self.world_size, max(sizes))
+        return [pickle.loads(rows[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
 
     def node_split(self, name: str) -> tuple["Transport", "Transport"]:
         """See :meth:`Transport.node_split`. Nodes are blocks of ``HVD_ZOADAM_RANKS_PER_NODE``
