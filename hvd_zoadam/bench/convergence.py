@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hvd_zoadam.bench.lm import add_model_arguments
 from hvd_zoadam.core.schedule import Schedule
 from hvd_zoadam.oracle.simulate import simulate_zoadam
 
@@ -212,17 +213,9 @@ def add_parser(sub) -> None:
     co.add_argument("--steps", type=int, default=400)
     co.add_argument("--variants", default="zoadam,exact-compressed,exact-sync,server-exact,no-clip,paper-domain",
                     help="comma-separated, from: " + ",".join(VARIANTS) + " (adam always runs)")
-    co.add_argument("--n-layer", type=int, default=2)
-    co.add_argument("--n-embd", type=int, default=128)
-    co.add_argument("--n-head", type=int, default=4)
-    co.add_argument("--batch-size", type=int, default=16)
-    co.add_argument("--block-size", type=int, default=128)
-    co.add_argument("--lr", type=float, default=2e-3)
-    co.add_argument("--warmup", type=int, default=60)
+    add_model_arguments(co)
     co.add_argument("--weight-decay", type=float, default=0.01)
     co.add_argument("--beta2", type=float, default=0.98)
-    co.add_argument("--seed", type=int, default=1234)
-    co.add_argument("--eval-batches", type=int, default=8)
     co.add_argument("--var-freeze-step", type=int, default=None)
     co.add_argument("--var-update-scaler", type=int, default=8)
     co.add_argument("--local-step-scaler", type=int, default=40)

@@ -48,6 +48,21 @@ def _train_lm():
     return mod
 
 
+def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: int = 60, warmup_help=None) -> None:
+    """The char LM's size and training arguments shared by ``bench convergence`` and ``bench
+    resume``: --n-layer, --n-embd, --n-head, --block-size, --batch-size, --lr, --warmup,
+    --eval-batches, --seed (an argparse parser or argument group)."""
+    group.add_argument("--n-layer", type=int, default=n_layer)
+    group.add_argument("--n-embd", type=int, default=n_embd)
+    group.add_argument("--n-head", type=int, default=4)
+    group.add_argument("--block-size", type=int, default=128)
+    group.add_argument("--batch-size", type=int, default=16)
+    group.add_argument("--lr", type=float, default=2e-3)
+    group.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    group.add_argument("--eval-batches", type=int, default=8)
+    group.add_argument("--seed", type=int, default=1234)
+
+
 class StepClock:
     """The wall clock of a timed run: a stamp at the start of every step, the timed span from
     step ``skip + 1`` on, and the validations, whose seconds never count in the span.

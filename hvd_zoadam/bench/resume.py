@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from hvd_zoadam.bench.lm import add_model_arguments
 from hvd_zoadam.comm.transport import ThreadGroup
 
 SIZES = (37, 5, 1, 64)
@@ -226,12 +227,4 @@ def add_parser(sub) -> None:
                     help="world sizes that resume (comma-separated)")
     ap.add_argument("--json", help="also write the report here")
     lm = ap.add_argument_group("lm case")
-    lm.add_argument("--n-layer", type=int, default=2)
-    lm.add_argument("--n-embd", type=int, default=128)
-    lm.add_argument("--n-head", type=int, default=4)
-    lm.add_argument("--block-size", type=int, default=128)
-    lm.add_argument("--batch-size", type=int, default=16)
-    lm.add_argument("--lr", type=float, default=2e-3)
-    lm.add_argument("--warmup", type=int, default=60, help="LR warm-up steps, also the variance freeze")
-    lm.add_argument("--eval-batches", type=int, default=8)
-    lm.add_argument("--seed", type=int, default=1234)
+    add_model_arguments(lm, warmup_help="LR warm-up steps, also the variance freeze")
