@@ -231,24 +231,3 @@ def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
         assert "torch.float64" in m["dtype"]["error"] and "torch.float32" in m["dtype"]["error"]
         assert "extra" in m["extra"]["error"]
         assert all(case["seconds"] < 30 for case in m.values())
-
-
-@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
-@pytest.mark.parametrize("mode", ["stall", "kill"])
-def test_dead_or_stalled_peer_ends_the_job_naming_the_collective(launcher, mode):
-    """A rank killed or stalled at step 5; the others exit non-zero within a bounded time."""
-    import time
-    start = time.monotonic()
-    proc = run_job(launcher, 3, ["tests/mp/worker_fault.py", mode], timeout_s=150, check=False,
-                   env={"HVD_ZOADAM_TIMEOUT_S": "10"})
-    elapsed = time.monotonic() - start
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "TRAINING FINISHED" not in out
-    assert elapsed < 100
-    if mode == "stall":
-        assert "did not complete within 10 s" in out and "'zoadam." in out
-    elif launcher == "gloo":
-        # Either a survivor names the failed collective first, or horovodrun, seeing rank 2
-        # die, terminates the survivors itself (a race on a loaded machine); never a hang.
-        assert ("hvd_zoadam: the " in out and "failed on rank" in out) \
-            or "Terminating remaining workers after failure of Process 2" in out
