@@ -41,6 +41,60 @@ except ImportError:  # the model stays importable without Horovod (python -m hvd
     hvd = None
 
 
+class TorchDistributed:
+    """What this script takes from ``horovod.torch``, over ``torch.distributed``: used when
+    torchrun launched it (``torchrun --nproc-per-node 2 examples/train_lm.py``), so the same
+    script runs without Horovod. ``DistributedOptimizer`` is then data-parallel Adam (every
+    gradient averaged with ``all_reduce`` before the step), the ``--optimizer adam`` baseline."""
+
+    Average = "average"
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+
+    def init(self):
+        self.dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+
+    def rank(self):
+        return self.dist.get_rank()
+
+    def size(self):
+        return self.dist.get_world_size()
+
+    def local_rank(self):
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def allreduce(self, tensor, op=None, name=None):
+        out = tensor.clone()
+        self.dist.all_reduce(out)
+        return out / self.size()
+
+    def allgather_object(self, obj):
+        out = [None] * self.size()
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_parameters(self, params, root_rank=0):
+        hvd_zoadam.distributed.broadcast_parameters(params, root_rank=root_rank)
+
+    def DistributedOptimizer(self, optimizer, named_parameters=None):  # noqa: N802 - horovod.torch's name
+        world, all_reduce = self.size(), self.dist.all_reduce
+
+        def average_gradients(opt, args, kwargs):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        all_reduce(p.grad)
+                        p.grad.div_(world)
+        optimizer.register_step_pre_hook(average_gradients)
+        return optimizer
+
+
+if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: torch.distributed, no Horovod
+    hvd = TorchDistributed()
+
+
 class _Lines:
     """A file wrapper that turns tqdm's carriage-return redraws into whole lines."""
 
@@ -161,7 +215,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if hvd is None:
-        raise SystemExit("train_lm.py runs under Horovod: install horovod[pytorch] (make demo builds it)")
+        raise SystemExit("train_lm.py runs under horovodrun or torchrun: install horovod[pytorch] (make demo "
+                         "builds it), or launch with torchrun --nproc-per-node N examples/train_lm.py")
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, world = hvd.rank(), hvd.size()
@@ -184,7 +239,8 @@ def main(argv=None):
                                {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, args.beta2))
     n_params = sum(p.numel() for p in model.parameters())
     if args.optimizer == "zoadam":
-        opt = hvd_zoadam.DistributedOptimizer(
+        front_end = hvd_zoadam.distributed if isinstance(hvd, TorchDistributed) else hvd_zoadam
+        opt = front_end.DistributedOptimizer(
             inner, named_parameters=model.named_parameters(),
             var_freeze_step=args.var_freeze_step or args.warmup, var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
@@ -283,6 +339,8 @@ def main(argv=None):
         log.close()
     if writer:
         writer.close()
+    if isinstance(hvd, TorchDistributed):
+        hvd.dist.destroy_process_group()
 
 
 if __name__ == "__main__":
