@@ -1,4 +1,4 @@
-"""The benchmarks run and print JSON (tiny settings; the numbers go in the README).
+"""The benchmarks run and print JSON (tiny settings; the numbers go in docs/performance.md).
 
 ``bench network`` needs root for the namespaces (CI runs as root); here it runs every system
 for a few steps of a tiny model over one shaped rate, to prove each launches and reports.

@@ -625,7 +625,7 @@ def main(argv=None) -> int:
     mo.add_argument("--latency", type=float, default=1e-4, help="alpha on the simulated links, seconds")
     mo.add_argument("--latency-bert", type=float, default=5e-6, help="alpha on the projected cluster, seconds")
     mo.add_argument("--bert-compute-s", type=float, default=0.15,
-                    help="BERT-Large compute per step and GPU, seconds (assumption; see README)")
+                    help="BERT-Large compute per step and GPU, seconds (assumption; see docs/performance.md)")
     mo.add_argument("--scale-block-numel", type=int, default=2048,
                     help="0/1 Adam's elements per 1-bit scale in the projection (0: per tensor)")
     mo.add_argument("--measured-scale-block", type=int, default=256,

@@ -133,7 +133,7 @@ def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned
 
     ``preconditioned`` (hvd_zoadam's default): u = x_a − x, in parameter units. Otherwise the
     paper's u = (x_a − x)·s, in momentum units. The two carry the same information; they differ
-    in where the 1-bit compression error lands (see the README, "Compression domain").
+    in where the 1-bit compression error lands (docs/algorithm.md §2, "Compression domain").
     """
     if decay_product != 1.0:   # anchor·Π(1 − γλ) − x without touching the anchor (sync_finish decays it)
         torch.mul(anchor, decay_product, out=out).sub_(param)
