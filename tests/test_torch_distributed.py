@@ -107,3 +107,22 @@ def _restart_job(out: Path, kill_at: int) -> list:
     run_cmd([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
              "tests/mp/worker_tdist_restart.py", str(out), str(kill_at)], timeout_s=240)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_auto_stays_flat_where_no_ranks_per_node_are_known(tmp_path, monkeypatch):
+    """Outside torchrun (no LOCAL_WORLD_SIZE) and without HVD_ZOADAM_RANKS_PER_NODE the transport
+    cannot know the nodes: hierarchical='auto' stays flat, True names the fix."""
+    import torch.distributed as dist
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("HVD_ZOADAM_RANKS_PER_NODE", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        transport = TorchDistributedTransport()
+        assert not transport.can_split()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert transport.can_split()
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+            transport.node_split("t")
+    finally:
+        dist.destroy_process_group()

@@ -215,8 +215,8 @@ def node_levels(transport: Transport, hierarchical, name: str):
     """
     if hierarchical is False or transport.world_size == 1:
         return None
-    if hierarchical == "auto" and type(transport).node_split is Transport.node_split:
-        return None  # Horovod's collectives: no split
+    if hierarchical == "auto" and not transport.can_split():
+        return None  # Horovod's collectives, or no ranks per node known: no split
     intra, cross = transport.node_split(name)
     if hierarchical == "auto" and (intra.world_size == 1 or cross.world_size == 1):
         return None

@@ -135,6 +135,11 @@ class TorchDistributedTransport(Transport):
         rows = gather(padded, "data").view(self.world_size, max(sizes))
         return [pickle.loads(rows[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
 
+    def can_split(self) -> bool:
+        """True where the ranks per node are known: ``HVD_ZOADAM_RANKS_PER_NODE`` or torchrun's
+        ``LOCAL_WORLD_SIZE``."""
+        return ranks_per_node_override() is not None or bool(os.environ.get("LOCAL_WORLD_SIZE"))
+
     def node_split(self, name: str) -> tuple["Transport", "Transport"]:
         """See :meth:`Transport.node_split`. Nodes are blocks of ``HVD_ZOADAM_RANKS_PER_NODE``
         consecutive ranks when set, else of ``LOCAL_WORLD_SIZE`` (what torchrun sets). The

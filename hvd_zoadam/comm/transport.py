@@ -191,6 +191,11 @@ class Transport:
     def describe(self) -> str:
         return self.name
 
+    def can_split(self) -> bool:
+        """Whether :meth:`node_split` knows the nodes here (``hierarchical="auto"`` stays flat
+        where it does not)."""
+        return type(self).node_split is not Transport.node_split
+
     def node_split(self, name: str) -> tuple["Transport", "Transport"]:
         """``(intra, cross)``: the collectives among this node's ranks (rank = local rank) and
         among the ranks with this rank's local rank on every node (rank = node index), for the
