@@ -31,6 +31,14 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+# Slurm (slurmctld, slurmd, munge) for the one-host Slurm of tests/test_slurm.py: optional (the
+# tests skip, saying why, without it).
+if ! command -v slurmd >/dev/null 2>&1; then
+  log "apt-get install slurm-wlm (optional: the one-host Slurm of the sbatch tests)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null 2>&1 \
+    || log "slurm-wlm not installed: tests/test_slurm.py will skip"
+fi
+
 # 2. The venv.
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
