@@ -24,9 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from hvd_zoadam.bench.lm import StepClock, _train_lm, _val_loss
+from hvd_zoadam.bench.lm import StepClock, _train_lm, _val_loss, backward_on_batch
 
 
 def _my_address(master: str) -> str:
@@ -95,10 +94,7 @@ def main(argv=None):
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every):
         for step in range(1, args.steps + 1):
             clock.tick(step)
-            x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
-            inner.zero_grad()
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
+            loss = backward_on_batch(model, inner, lm, data, args, gen)
             inner.step()   # DiLoCo's hook runs the outer step every sync_every steps
             sched.step()
             losses.append(loss.item())

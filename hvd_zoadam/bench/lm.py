@@ -48,10 +48,11 @@ def _train_lm():
     return mod
 
 
-def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: int = 60, warmup_help=None) -> None:
-    """The char LM's size and training arguments shared by ``bench convergence`` and ``bench
-    resume``: --n-layer, --n-embd, --n-head, --block-size, --batch-size, --lr, --warmup,
-    --eval-batches, --seed (an argparse parser or argument group)."""
+def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: int = 60, warmup_help=None,
+                        eval_batches: int = 8) -> None:
+    """The char LM's size and training arguments shared by ``bench convergence``, ``bench
+    resume`` and the ranks of ``bench network``: --n-layer, --n-embd, --n-head, --block-size,
+    --batch-size, --lr, --warmup, --eval-batches, --seed (an argparse parser or argument group)."""
     group.add_argument("--n-layer", type=int, default=n_layer)
     group.add_argument("--n-embd", type=int, default=n_embd)
     group.add_argument("--n-head", type=int, default=4)
@@ -59,8 +60,18 @@ def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: i
     group.add_argument("--batch-size", type=int, default=16)
     group.add_argument("--lr", type=float, default=2e-3)
     group.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
-    group.add_argument("--eval-batches", type=int, default=8)
+    group.add_argument("--eval-batches", type=int, default=eval_batches)
     group.add_argument("--seed", type=int, default=1234)
+
+
+def backward_on_batch(model, opt, lm, data, args, gen):
+    """One step's data and gradients: the next batch from ``gen``, ``opt.zero_grad()``, the
+    cross-entropy of ``model`` on it and its backward pass. Returns the loss (a 0-dim tensor)."""
+    x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return loss
 
 
 class StepClock:
@@ -97,14 +108,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", choices=RUNS, required=True)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=12)
     ap.add_argument("--skip", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
+    add_model_arguments(ap, n_layer=4, n_embd=256, warmup=12, eval_batches=4)
     ap.add_argument("--powersgd-rank", type=int, default=4)
     ap.add_argument("--local-period", type=int, default=8)
     ap.add_argument("--master", default=os.environ.get("ZO_MASTER", "127.0.0.1"))
@@ -115,7 +120,6 @@ def parse(argv=None):
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
     ap.add_argument("--eval-every", type=int, default=0, help="validation loss every k steps (0: never)")
-    ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--onebit-freeze-frac", type=float, default=0.2,
                     help="1-bit Adam's freeze_step as a fraction of --steps (onebit run)")
     ap.add_argument("--out", required=True)
@@ -214,10 +218,7 @@ def main(argv=None):
     kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
     for step in range(1, args.steps + 1):
         clock.tick(step)
-        x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
-        opt.zero_grad()
-        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = backward_on_batch(net, opt, lm, data, args, gen)
         before = opt.comm_stats() if args.run in ("zoadam", "onebit") else None
         opt.step()
         if before is not None and step > args.skip:
