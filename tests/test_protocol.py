@@ -271,3 +271,19 @@ def test_bytes_per_exchange_follow_the_formula_and_the_scales_do_not_grow_with_p
         assert sent == (p - 1) * (words(4 * s + 4 + chunk_bytes) + words(12 + 4 * s + chunk_bytes))
         signs = 2 * (p - 1) / p * big / 8
         assert sent - signs <= 2 * (p - 1) / p * 4 * len(numels) + 8 * (p - 1) * (3 + 1) + 22 * (p - 1)
+
+
+def test_set_up_messages_unpickle_plain_data_only():
+    """What allgather_object receives is unpickled without running anything: plain data comes
+    back equal, a pickle that names a class or function is refused."""
+    import pickle
+
+    from hvd_zoadam.comm.transport import loads_plain
+    plain = {"items": [("schedule.var_freeze_step", 6), ("dtype", "torch.float32")], "ok": (True, None, 1.5)}
+    assert loads_plain(pickle.dumps(plain)) == plain
+
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("ran",))
+    with pytest.raises(pickle.UnpicklingError, match="plain data only, not builtins.print"):
+        loads_plain(pickle.dumps(RunsCode()))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hvd_zoadam.comm.transport import (CollectiveTimeoutError, CommCounter, Done, Transport, check_uniform_nodes,
-                                       default_timeout_s, ranks_per_node_override)
+                                       default_timeout_s, loads_plain, ranks_per_node_override)
 
 BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}  # the device type each backend moves
 
@@ -133,7 +133,7 @@ class TorchDistributedTransport(Transport):
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[:data.numel()] = data
         rows = gather(padded, "data").view(self.world_size, max(sizes))
-        return [pickle.loads(rows[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
+        return [loads_plain(rows[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
 
     def can_split(self) -> bool:
         """True where the ranks per node are known: ``HVD_ZOADAM_RANKS_PER_NODE`` or torchrun's

@@ -21,7 +21,9 @@ A round is one collective call. With P = 1 nothing is sent and no round counted.
 """
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import threading
 import time
 from collections import defaultdict
@@ -185,7 +187,8 @@ class Transport:
         raise NotImplementedError
 
     def allgather_object(self, obj, name: str) -> list:
-        """Every rank's picklable ``obj``, in rank order (uncounted: set-up only)."""
+        """Every rank's ``obj`` (plain data: None, numbers, strings, lists, tuples, dicts), in rank
+        order (uncounted: set-up only)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -325,14 +328,26 @@ class HorovodTransport(Transport):
         return _allgather_object_via_bytes(gather, obj, name)
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (None, bools, numbers, strings, bytes, lists, tuples, dicts,
+    sets): any class or function a pickle names is refused, so a set-up message runs no code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"hvd_zoadam: a set-up message may hold plain data only, not {module}.{name}")
+
+
+def loads_plain(data: bytes):
+    """``pickle.loads`` of a set-up message (:meth:`Transport.allgather_object`), plain data only."""
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
 def _allgather_object_via_bytes(gather, obj, name: str) -> list:
-    import pickle
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = gather(torch.tensor([data.numel()], dtype=torch.int64), name + ".sizes")
     gathered = gather(data, name + ".data")
     out, pos = [], 0
     for size in sizes.tolist():
-        out.append(pickle.loads(gathered[pos:pos + size].numpy().tobytes()))
+        out.append(loads_plain(gathered[pos:pos + size].numpy().tobytes()))
         pos += size
     return out
 
@@ -561,7 +576,7 @@ class MPICommTransport(MPITransport):
         return super()._start(op, tensor, name)
 
     def allgather_object(self, obj, name):
-        return self._comm.allgather(obj)
+        return [loads_plain(data) for data in self._comm.allgather(pickle.dumps(obj))]  # bytes travel
 
 
 _mpi_split_comms = {}  # (process set ranks, HVD_ZOADAM_RANKS_PER_NODE) -> (node comm, cross-node comm)
