@@ -30,8 +30,8 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
-    assert set(runs) == {"adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute", "onebit",
-                         "diloco-h8", "diloco-h32"}
+    assert set(runs) == {"adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd",
+                         "compute", "onebit", "diloco-h8", "diloco-h32"}
     for name, r in runs.items():
         assert r["ok"], (name, r.get("error"))
         assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["world_size"] == 2
@@ -45,6 +45,16 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert z["config"]["var_update_scaler"] == 1 and z["config"]["local_step_clipper"] == 2
     assert z["kinds"]["variance"] == 2 and z["kinds"]["compressed"] == 1
     assert z["kinds"]["local"] + z["kinds"]["sync"] == 5
+    # the same 0/1 Adam launched by torchrun (one agent per host) over a Gloo group: the same
+    # steps and counted bytes, and at P = 2 (where a sum of two has one order) the same losses
+    t = runs["zoadam-torchrun"]
+    assert t["transport"] == "torch.distributed (gloo)" and t["world_size"] == 2
+    assert t["kinds"] == z["kinds"] and t["bytes_sent_counted"] == z["bytes_sent_counted"]
+    assert t["val_curve"][1][2] == z["val_curve"][1][2] and t["final_loss"] == z["final_loss"]
+    ratios = rep["rates"]["1gbit"]["ratios"]
+    assert ratios["zoadam_torchrun_val_curve_equal_to_zoadam"] is True
+    assert ratios["zoadam_torchrun_final_loss_minus_zoadam"] == 0.0
+    assert ratios["zoadam_torchrun_steps_per_s_vs_zoadam"] == t["steps_per_s"] / z["steps_per_s"]
     # 1-bit Adam: full precision for 20 % of the 8 steps (two), then a compressed step every step
     o = runs["onebit"]
     assert o["config"]["freeze_step"] == 2 and o["kinds"] == {"variance": 2, "compressed": 6}

@@ -9,6 +9,8 @@ sync, the byte counts by the documented formulas, overlap with the same paramete
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -101,12 +103,58 @@ def test_torchrun_restarts_a_job_that_lost_a_worker_and_it_resumes_exactly(tmp_p
         assert all(torch.equal(a, b) for a, b in zip(killed[r]["final"], clean[r]["final"])), r
 
 
-def _restart_job(out: Path, kill_at: int) -> list:
+def _restart_job(out: Path, kill_at: int, *, nproc: int = 2, stop_at: int = 24) -> list:
     from conftest import BIN, run_cmd
+    out.mkdir(exist_ok=True)
+    run_cmd([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+             "tests/mp/worker_tdist_restart.py", str(out), str(kill_at), "rank1", str(stop_at)], timeout_s=240)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def test_an_elastic_torchrun_job_that_loses_a_node_resumes_at_the_smaller_world_size(tmp_path):
+    """Two torchrun agents of one elastic job (``--nnodes 1:2``, c10d rendezvous) run 2 and 1
+    workers. At step 10, inside a window of local steps, the one-worker node is lost (its agent
+    and worker SIGKILLed); the other agent restarts its workers, which rendezvous at world size
+    2 and resume from the common file of the step-8 checkpoint, with the pooled error feedback.
+    The end equals, bit for bit, a world-size-3 run stopped after step 8 and resumed at world
+    size 2 from the same checkpoint by hand."""
+    import socket
+    import subprocess
+
+    from conftest import BIN, ROOT
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "elastic"
     out.mkdir()
-    run_cmd([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-             "tests/mp/worker_tdist_restart.py", str(out), str(kill_at)], timeout_s=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+
+    def agent(nproc, is_host):
+        return subprocess.Popen(
+            [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+             "--rdzv-conf", f"is_host={int(is_host)},last_call_timeout=5,join_timeout=60",
+             "--monitor-interval", "0.5", "tests/mp/worker_tdist_restart.py", str(out), "10", "node"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    host, lost = agent(2, True), agent(1, False)
+    try:
+        log, _ = host.communicate(timeout=240)
+    finally:
+        for proc in (host, lost):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert host.returncode == 0, log[-4000:]
+    assert lost.wait(10) == -signal.SIGKILL
+    elastic = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert not (out / "rank2.pt").exists()
+    by_hand = tmp_path / "by_hand"
+    first = _restart_job(by_hand, 0, nproc=3, stop_at=8)
+    assert [r["world_size"] for r in first] == [3, 3, 3]
+    second = _restart_job(by_hand, 0, nproc=2)
+    for r in range(2):
+        assert elastic[r]["restarts"] == 1 and elastic[r]["resumed"] == 8 and elastic[r]["world_size"] == 2
+        assert second[r]["resumed"] == 8 and second[r]["world_size"] == 2
+        assert all(torch.equal(a, b) for a, b in zip(elastic[r]["final"], second[r]["final"])), r
 
 
 def test_auto_stays_flat_where_no_ranks_per_node_are_known(tmp_path, monkeypatch):

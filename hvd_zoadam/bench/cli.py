@@ -5,7 +5,9 @@
   latency: this kernel has no netem), one rank per host, launched by ``mpirun`` from the
   first host with a launch agent in place of ssh and ``--mca btl tcp,self``. In one
   invocation it runs, with the same model, data, seeds and steps: (a) Horovod AdamW fp32,
-  (b) the same with fp16 compression, (c) hvd_zoadam, (d) DDP + PowerSGD over gloo,
+  (b) the same with fp16 compression, (c) hvd_zoadam, and the same 0/1 Adam launched by
+  ``torchrun`` (one agent per host, static rendezvous at host 1) through
+  :mod:`hvd_zoadam.distributed` over a Gloo group, (d) DDP + PowerSGD over gloo,
   (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only (its slowest rank:
   no collective paces its ranks, and the slowest one paces a data-parallel job). Ranks run
   unbound (``--bind-to none``), one torch/Numba thread each. Per run: steps/s
@@ -40,6 +42,7 @@ RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
     "adam-fp16": "(b) Horovod AdamW fp16",
     "zoadam": "(c) hvd_zoadam 0/1 Adam",
+    "zoadam-torchrun": "(c) 0/1 Adam under torchrun",
     "ddp-powersgd": "(d) DDP + PowerSGD",
     "ddp-localsgd": "(e) DDP + post-local SGD",
     "compute": "(f) compute only",
@@ -55,6 +58,35 @@ def _tx_bytes(ns: str) -> int:
     out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", "zeth0"], check=True,
                          capture_output=True, text=True).stdout
     return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
+def _torchrun_on_each_host(net, worker: list, args, env: dict) -> tuple:
+    """``torchrun --nnodes N --nproc-per-node 1 --node-rank k`` in each simulated host's
+    namespace (static rendezvous at host 1, as ``srun torchrun`` on a cluster). Returns
+    ``(exit status, output tail)``: the first non-zero status, or ``"timeout"``."""
+    n = len(net.addresses)
+    env = net.env(env)
+    # The worker's arguments in a file: torchrun's parser would take --run and --master as
+    # abbreviations of its own --run-path and --master-addr.
+    argfile = Path(worker[worker.index("--out") + 1] + ".args")
+    argfile.write_text("\n".join(worker[3:]) + "\n")
+    procs = [subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n),
+         "--nproc-per-node", "1", "--node-rank", str(k), "--master-addr", net.addresses[0],
+         "--master-port", "29534", "--max-restarts", "0", *worker[1:3], f"@{argfile}"],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for k, ns in enumerate(net.namespaces)]
+    deadline, rc, tail = time.monotonic() + args.run_timeout, 0, ""
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return "timeout", f"no result within {args.run_timeout} s"
+        tail += out[-1000:]
+        rc = rc or proc.returncode
+    return rc, tail
 
 
 def _network_run(net, run: str, args, workdir: Path) -> dict:
@@ -77,11 +109,14 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
                # one rank, so hvd_zoadam would otherwise give Numba all cores per rank.
                NUMBA_NUM_THREADS=os.environ.get("NUMBA_NUM_THREADS", "1"), OMP_NUM_THREADS="1")
     start = time.perf_counter()
-    try:
-        proc = net.run(cmd, timeout_s=args.run_timeout, env=env, capture_output=True, text=True, cwd=ROOT)
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", f"no result within {args.run_timeout} s: {str(exc.stderr or '')[-1500:]}"
+    if run.endswith("-torchrun"):
+        rc, tail = _torchrun_on_each_host(net, worker, args, env)
+    else:
+        try:
+            proc = net.run(cmd, timeout_s=args.run_timeout, env=env, capture_output=True, text=True, cwd=ROOT)
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired as exc:
+            rc, tail = "timeout", f"no result within {args.run_timeout} s: {str(exc.stderr or '')[-1500:]}"
     wall = time.perf_counter() - start
     sent = [_tx_bytes(ns) - b for ns, b in zip(net.namespaces, before)]
     result = {"run": run, "label": RUN_LABELS[run], "wall_s": wall,
@@ -113,6 +148,13 @@ def _ratios(results: list) -> dict:
                         z["steady_steps_per_s"] / by[other]["steady_steps_per_s"]
         if "adam" in by:
             out["zoadam_wire_bytes_vs_adam"] = z["wire_bytes_sent_per_rank"] / by["adam"]["wire_bytes_sent_per_rank"]
+        t = by.get("zoadam-torchrun")
+        if t:  # the same optimizer over torch.distributed (Gloo) instead of the mpi4py transport
+            out["zoadam_torchrun_steps_per_s_vs_zoadam"] = t["steps_per_s"] / z["steps_per_s"]
+            out["zoadam_torchrun_wire_bytes_vs_zoadam"] = t["wire_bytes_sent_per_rank"] / z["wire_bytes_sent_per_rank"]
+            out["zoadam_torchrun_final_loss_minus_zoadam"] = t["final_loss"] - z["final_loss"]
+            out["zoadam_torchrun_val_curve_equal_to_zoadam"] = \
+                [v for _, _, v in t["val_curve"]] == [v for _, _, v in z["val_curve"]]
         if "onebit" in by:  # the paper's own comparison, over the same steps
             o = by["onebit"]
             out["zoadam_wire_bytes_vs_onebit"] = z["wire_bytes_sent_per_rank"] / o["wire_bytes_sent_per_rank"]
@@ -582,7 +624,7 @@ def _parse_rate(rate: str) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    net = sub.add_parser("network", help="the char LM over shaped links, 7 systems side by side (needs root)")
+    net = sub.add_parser("network", help="the char LM over shaped links, the systems side by side (needs root)")
     net.add_argument("--rate", action="append", default=None,
                      help="link rate, e.g. 100mbit or 1gbit; repeat for several (default: 100mbit and 1gbit)")
     net.add_argument("--ranks", type=int, default=2)

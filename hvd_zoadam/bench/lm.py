@@ -10,6 +10,9 @@ Runs (``--run``):
   zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW), freeze at --warmup, one scale per
                 256 elements, var_update_scaler 2 (README: short runs want 2-4; 8, the 400-step
                 demo's, made 10 of the 12 warm-up steps full precision), H by the lr policy up to 8
+  zoadam-torchrun
+                the same 0/1 Adam through hvd_zoadam.distributed over a torch.distributed Gloo
+                group, one rank per torchrun agent (launched by torchrun, not mpirun; no Horovod)
   ddp-powersgd  torch DDP over gloo with the PowerSGD hook (rank --powersgd-rank, error feedback,
                 warm start; plain allreduce for the first --warmup steps), bucket_cap_mb=1000
   ddp-localsgd  torch DDP over gloo with post-local SGD: allreduce for --warmup steps, then local
@@ -36,7 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-RUNS = ("adam", "adam-fp16", "zoadam", "ddp-powersgd", "ddp-localsgd", "compute", "onebit")
+RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd", "compute",
+        "onebit")
+ZOADAM_RUNS = ("zoadam", "zoadam-torchrun")
 
 
 def _train_lm():
@@ -105,7 +110,8 @@ class StepClock:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser()
+    # "@FILE": one argument per line (torchrun takes --run and --master for its own options)
+    ap = argparse.ArgumentParser(fromfile_prefix_chars="@")
     ap.add_argument("--run", choices=RUNS, required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=3)
@@ -155,6 +161,10 @@ def main(argv=None):
         import horovod.torch as hvd
         hvd.init()
         rank, world = hvd.rank(), hvd.size()
+    elif args.run == "zoadam-torchrun":  # torchrun's env:// (MASTER_ADDR, RANK, WORLD_SIZE, ...)
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
         world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -177,16 +187,18 @@ def main(argv=None):
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
     averager = None
     net = model
-    if hvd is not None:
+    if args.run in ZOADAM_RUNS:
+        import hvd_zoadam
+        import hvd_zoadam.distributed as zd
+        factory = hvd_zoadam.DistributedOptimizer if args.run == "zoadam" else zd.DistributedOptimizer
+        opt = factory(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)),
+                      named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
+                      var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
+                      local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
+                      scale_block_numel=256, transport=args.transport)
+    elif hvd is not None:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
-        if args.run == "zoadam":
-            import hvd_zoadam
-            opt = hvd_zoadam.DistributedOptimizer(
-                inner, named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
-                var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
-                local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
-                scale_block_numel=256, transport=args.transport)
-        elif args.run == "onebit":
+        if args.run == "onebit":
             import hvd_zoadam
             opt = hvd_zoadam.OnebitAdam(inner, model.named_parameters(), freeze_step=_onebit_freeze(args),
                                         scale_block_numel=256, transport=args.transport)
@@ -219,7 +231,7 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         clock.tick(step)
         loss = backward_on_batch(net, opt, lm, data, args, gen)
-        before = opt.comm_stats() if args.run in ("zoadam", "onebit") else None
+        before = opt.comm_stats() if args.run in (*ZOADAM_RUNS, "onebit") else None
         opt.step()
         if before is not None and step > args.skip:
             after = opt.comm_stats()
@@ -252,7 +264,7 @@ def main(argv=None):
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed")},
                    timed_seconds_by_kind=kind_s, config={"freeze_step": _onebit_freeze(args), "scale_block_numel": 256})
-    if args.run == "zoadam":
+    if args.run in ZOADAM_RUNS:
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
