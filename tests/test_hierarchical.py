@@ -283,6 +283,18 @@ def mpi_job(request, tmp_path_factory):
     return p, local, load_ranks(out, p)
 
 
+
+def test_mpi_ranks_that_disagree_on_hierarchical_fail_at_construction_on_every_rank(mpi_job):
+    """Rank 1 passes hierarchical=False, the others True: before any communicator split (which
+    would hang with rank 1 absent), every rank raises the settings mismatch naming both values."""
+    p, _, ranks = mpi_job
+    for r in ranks:
+        err = r["mismatch"]["error"]
+        assert err is not None and "settings or parameter layout differ across ranks" in err, (r["rank"], err)
+        mine, theirs = (False, True) if r["rank"] == 1 else (True, False)
+        assert f"hierarchical: this rank ({r['rank']}) has {mine!r}" in err and f"has {theirs!r}" in err, err
+        assert r["mismatch"]["seconds"] < 30
+
 def test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula(mpi_job):
     p, local, ranks = mpi_job
     from hvd_zoadam.comm.hierarchical import HierarchicalExchange  # noqa: F401
@@ -390,10 +402,14 @@ def test_rank_files_restore_only_into_the_same_topology():
 
 def test_a_transport_that_cannot_split_refuses_true_and_stays_flat_under_auto():
     """Horovod's collectives (the base Transport's node_split): True is a ValueError that names
-    the fix, "auto" is flat, False never asks."""
+    the fix, "auto" is flat, False never asks for a split (only for the ranks' agreement)."""
     from hvd_zoadam.comm.hierarchical import node_levels
     from hvd_zoadam.comm.transport import Transport
-    plain = Transport(0, 4)
+
+    class Agreeing(Transport):
+        def allgather_object(self, obj, name):
+            return [obj] * self.world_size
+    plain = Agreeing(0, 4)
     with pytest.raises(ValueError, match="hierarchical=True needs transport='mpi'"):
         node_levels(plain, True, "x")
     assert node_levels(plain, "auto", "x") is None and node_levels(plain, False, "x") is None

@@ -61,8 +61,10 @@ def mpi_job(request, tmp_path_factory):
     return p, local, load_ranks(out, p)
 
 
-from test_hierarchical import (test_mpi_training_runs_equal_the_simulation_flat_and_two_level,  # noqa: E402,F401
-                               test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula)
+from test_hierarchical import (  # noqa: E402,F401
+    test_mpi_ranks_that_disagree_on_hierarchical_fail_at_construction_on_every_rank,
+    test_mpi_training_runs_equal_the_simulation_flat_and_two_level,
+    test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula)
 
 
 def test_a_stalled_peer_raises_collective_timeout_naming_the_collective():

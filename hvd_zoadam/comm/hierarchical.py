@@ -28,7 +28,7 @@ import torch
 
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import node_shards, padded_numel, segment_offsets, shard_segments
-from hvd_zoadam.comm.protocol import Exchange, _align4, step_mismatch
+from hvd_zoadam.comm.protocol import TOPOLOGY_CHECK, Exchange, _align4, check_layout, step_mismatch
 from hvd_zoadam.comm.transport import Transport
 
 
@@ -208,12 +208,18 @@ class HierarchicalExchange:
 def node_levels(transport: Transport, hierarchical, name: str):
     """The ``(intra, cross)`` transports of the ``hierarchical`` option, or None (flat).
 
-    ``False``, or a world of one rank: None. ``True``: ``transport.node_split(name)`` (a
-    ``ValueError`` naming the fix where the transport cannot be split). ``"auto"``: the split
-    where the transport supports one and there are several nodes of several ranks each; else
-    None. Collective (MPI splits) where a split is made.
+    A world of one rank: None. Otherwise the ranks first agree on ``hierarchical`` (one
+    uncounted object allgather; a rank that passed another value raises the settings-mismatch
+    ``ValueError`` on every rank, naming both values, before any split could hang). Then
+    ``False``: None. ``True``: ``transport.node_split(name)`` (a ``ValueError`` naming the fix
+    where the transport cannot be split). ``"auto"``: the split where the transport supports one
+    and there are several nodes of several ranks each; else None. Collective (MPI splits) where
+    a split is made.
     """
-    if hierarchical is False or transport.world_size == 1:
+    if transport.world_size == 1:
+        return None
+    check_layout(transport, {"hierarchical": hierarchical}, TOPOLOGY_CHECK)
+    if hierarchical is False:
         return None
     if hierarchical == "auto" and not transport.can_split():
         return None  # Horovod's collectives, or no ranks per node known: no split

@@ -41,6 +41,7 @@ from hvd_zoadam.comm.transport import Transport
 
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
+TOPOLOGY_CHECK = "zoadam.topology_check"  # the same, for the hierarchical option before any split
 
 
 class CollectiveNames:
@@ -573,13 +574,13 @@ def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: i
     return float(flag[0]) != 0.0
 
 
-def check_layout(transport: Transport, mine: dict) -> None:
+def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> None:
     """algorithm.md §5: compare settings and parameter layout (``mine``, a dict of picklable
     items) across ranks. Raises ValueError on every rank on a mismatch, naming each difference
-    with both values. Collectives: one object allgather (uncounted), at P > 1."""
+    with both values. Collectives: one object allgather (uncounted) named ``name``, at P > 1."""
     if transport.world_size == 1:
         return
-    everyone = transport.allgather_object(mine, LAYOUT_CHECK)
+    everyone = transport.allgather_object(mine, name)
     for rank, theirs in enumerate(everyone):
         if theirs == mine:
             continue

@@ -4,7 +4,9 @@
 * ``exchange``: three two-level exchanges of a multi-segment bucket (outputs, error buffers, and
   the bytes each level counted);
 * ``train``: 24 steps of 0/1 Adam with ``hierarchical=True`` and with ``False`` (final
-  parameters, ``comm_stats()``, the error feedback the job owes after the last step).
+  parameters, ``comm_stats()``, the error feedback the job owes after the last step);
+* ``mismatch``: the error (or None) of building the optimizer with ``hierarchical=False`` on
+  rank 1 and ``True`` elsewhere, and the seconds it took.
 """
 from __future__ import annotations
 
@@ -63,11 +65,25 @@ def scenario_train(out):
     out["train"] = res
 
 
+def scenario_mismatch(out):
+    import time
+    model = common.mlp()
+    start = time.perf_counter()
+    try:
+        FRONT_END(torch.optim.Adam(model.parameters(), lr=common.LR), named_parameters=model.named_parameters(),
+                  transport=TRANSPORT(), hierarchical=hvd.rank() != 1, **common.TRAIN)
+        out["mismatch"] = {"error": None}
+    except ValueError as exc:
+        out["mismatch"] = {"error": str(exc)}
+    out["mismatch"]["seconds"] = time.perf_counter() - start
+
+
 def main():
     hvd.init()
     out = {"rank": hvd.rank(), "size": hvd.size()}
     scenario_exchange(out)
     scenario_train(out)
+    scenario_mismatch(out)
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
 
 
