@@ -62,21 +62,26 @@ def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
         run_job("gloo" if np_ > 1 else "single", np_, ["tests/mp/worker_ckpt.py", str(out), "resume", "9"],
                 env={"CKPT_DIR": str(from_dir)})
         ranks = load_ranks(out, np_)
+        # step 9 is inside a window: the common file holds it closed (lr sums 0), the rest as saved
+        closed = dict(saved[0]["saved9"], lr_sum=[0.0] * len(saved[0]["saved9"]["lr_sum"]))
+        assert any(saved[0]["saved9"]["lr_sum"])
         for r in ranks:
-            assert r["loaded9"] == saved[0]["saved9"]  # step, phase, intervals, k, freeze lr, lr sums
+            assert r["loaded9"] == closed  # step, phase, intervals, k, freeze lr, lr sums
             assert r["next_kind9"] == KINDS.kind(10).value
             assert all(torch.isfinite(p).all() for p in r["resumed9"])
             for (worker, _, n), (mean, _) in zip(r["errors9"], owed):
-                assert torch.equal(worker[:n], mean) and not worker[n:].any()
+                # P' = 1: what the ranks owed went into the parameters (test_resume.py)
+                assert torch.equal(worker[:n], mean if np_ > 1 else torch.zeros_like(mean)) and not worker[n:].any()
         for b, (mean, server) in enumerate(owed):
             assert mean.abs().sum() > 0 and server.abs().sum() > 0
-            assert torch.equal(torch.cat([r["errors9"][b][1] for r in ranks])[:server.numel()], server)
+            if np_ > 1:
+                assert torch.equal(torch.cat([r["errors9"][b][1] for r in ranks])[:server.numel()], server)
             # the last step (22) is a SYNC step: identical on every rank
             assert all(torch.equal(a, b) for a, b in zip(r["resumed9"], ranks[0]["resumed9"]))
         if np_ == 4:
-            # Same data, but error feedback restarted and ranks 1-3 lost their window progress (rank 0's
-            # x was loaded everywhere). Adam's sign-like steps make single weights diverge by about the
-            # distance travelled, so compare what training is for: the held-out loss (1% apart here).
+            # Same data, but the error feedback is pooled and the window was closed with the exact
+            # mean in place of the 1-bit exchange. Adam's sign-like steps make single weights diverge
+            # by about the distance travelled, so compare what training is for: the held-out loss.
             resumed, full = eval_loss(ranks[0]["resumed9"]), eval_loss(saved[0]["full"])
             assert resumed != full and abs(resumed - full) <= 0.03 * full
     assert KINDS.kind(22) is StepKind.SYNC

@@ -12,10 +12,10 @@ from hvd_zoadam import checkpoint
 from hvd_zoadam.bench.cli import main as bench_main
 
 
-def _build(transport, sizes=(37, 5, 1, 64)):
+def _build(transport, sizes=(37, 5, 1, 64), knobs=_bench_resume.RegressionCase.knobs):
     model = torch.nn.ParameterList(torch.nn.Parameter(torch.full((n,), 0.1)) for n in sizes)
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), transport=transport,
-                                          named_parameters=model.named_parameters(), **_bench_resume.RegressionCase.knobs)
+                                          named_parameters=model.named_parameters(), **knobs)
     return model, opt
 
 
@@ -114,7 +114,7 @@ def test_bench_resume_keeps_the_progress_that_zeroed_buffers_lose(tmp_path, caps
     import json
     report = json.loads(out.read_text())
     rows = {(r["world_size"], r["mode"]): r for r in report["runs"]}
-    assert rows[(4, "rank-files")]["val_loss"] == report["uninterrupted"]
+    assert rows[(4, "rank-files")]["val_loss"] == report["uninterrupted"][0]["val_end"]
     for p in (4, 3):
         assert rows[(p, "pooled")]["gain"] >= 0.9
         assert rows[(p, "zeroed")]["gain"] < rows[(p, "pooled")]["gain"]
@@ -154,3 +154,84 @@ def test_the_first_exchange_after_a_pooled_load_matches_the_oracle():
         want = simulate_compressed_allreduce(inputs, we, se, numels)
         for r, g in enumerate(got):
             assert torch.equal(g[1], want) and torch.equal(g[2], we[r]) and torch.equal(g[3], se[r])
+
+
+WINDOW = _bench_resume.WindowCase.knobs  # freeze at 6, then SYNC 7, 8, 10, 14, 18: 11-13 are local steps
+
+
+@pytest.mark.parametrize("save_at", [12, 14])
+def test_the_common_file_closes_an_open_window_with_the_mean_of_every_rank(tmp_path, save_at):
+    """Saved at P = 4 after step 12 (local steps 11 and 12 since the anchor of step 10), the
+    common file holds the window closed as a SYNC step with the exact average closes it: the
+    parameters and the anchor are the mean of the four ranks' parameters, the momentum is rebuilt
+    from the mean update (m = (1 − β1^t)·w·s/Λ, w = x_a·Π − x), Λ = 0; each rank's own file and
+    the job itself keep the open window, bit for bit. Saved at the SYNC step 14, the common file
+    is rank 0's state."""
+    prefix = str(tmp_path / "ckpt")
+
+    def body(rank, transport):
+        model, opt = _build(transport, knobs=WINDOW)
+        _train(model, opt, rank, save_at)
+        before = [q.detach().clone() for q in model] + [opt._buckets[0].exp_avg.clone(), opt._buckets[0].anchor.clone()]
+        group = dict(opt.param_groups[0])
+        s_ = torch.cat([(opt.state[q]["exp_avg_sq"] / (1 - 0.999 ** opt.param_groups[0]["zoadam"]["exp_avg_sq_steps"]))
+                        .sqrt().add(1e-8) for q in model])
+        checkpoint.save(prefix, model, opt, step=save_at)
+        after = [q.detach().clone() for q in model] + [opt._buckets[0].exp_avg.clone(), opt._buckets[0].anchor.clone()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+        return torch.cat(before[:4]), before[5], group, s_
+
+    ranks = run_threads(4, body)
+    common = checkpoint.read(prefix + ".pt")
+    x = torch.cat([common["model"][str(i)] for i in range(4)])
+    state = common["optimizer"]["state"]
+    anchor = torch.cat([state[i]["anchor"] for i in range(4)])
+    m = torch.cat([state[i]["exp_avg"] for i in range(4)])
+    group = common["optimizer"]["param_groups"][0]
+    if save_at == 14:
+        assert torch.equal(x, ranks[0][0]) and ranks[0][2]["lr_sum"] == 0
+        return
+    lr_sum, decay = ranks[0][2]["lr_sum"], ranks[0][2]["decay_product"]
+    assert lr_sum > 0 and all(r[2]["lr_sum"] == lr_sum for r in ranks)
+    assert not all(torch.equal(ranks[0][0], r[0]) for r in ranks[1:])  # the ranks drifted apart
+    x_a = ranks[0][1] * decay
+    w = torch.stack([x_a - r[0] for r in ranks]).mean(0)
+    torch.testing.assert_close(x, x_a - w, rtol=0, atol=1e-7)
+    torch.testing.assert_close(x, torch.stack([r[0] for r in ranks]).mean(0), rtol=0, atol=1e-6)
+    assert torch.equal(anchor, x)
+    torch.testing.assert_close(m, (1 - 0.9 ** save_at) * w * ranks[0][3] / lr_sum, rtol=1e-5, atol=1e-9)
+    assert group["lr_sum"] == 0.0 and group["decay_product"] == 1.0
+    own = checkpoint.read(prefix + ".rank0.pt")
+    assert torch.equal(torch.cat([own["model"][str(i)] for i in range(4)]), ranks[0][0])
+    assert own["optimizer"]["param_groups"][0]["lr_sum"] == lr_sum
+
+
+def test_a_resume_at_world_size_one_puts_what_the_ranks_owed_into_the_parameters(tmp_path):
+    """Loaded at P' = 1 past the freeze, where no exchange will ever deliver it, the pooled error
+    feedback (mean worker error plus the server errors) moves the parameters and the anchor at
+    once, and the buffers stay at zero; before the freeze nothing moves."""
+    for save_at in (5, 14):  # a COMPRESSED step before the freeze, a SYNC step after it
+        prefix = str(tmp_path / f"ckpt{save_at}")
+
+        def save(rank, transport):
+            model, opt = _build(transport, knobs=WINDOW)
+            _train(model, opt, rank, save_at)
+            checkpoint.save(prefix, model, opt, step=save_at)
+        run_threads(4, save)
+        common = checkpoint.read(prefix + ".pt")
+        ef = common["error_feedback"]
+        owed = torch.cat([ef["worker_error"][i] + ef["server_error"][i] for i in range(4)])
+        assert owed.abs().sum() > 0
+
+        def load(rank, transport):
+            model, opt = _build(transport, knobs=WINDOW)
+            checkpoint.load(prefix, model, opt)
+            ex = opt._buckets[0].exchange
+            return torch.cat([q.detach() for q in model]), opt._buckets[0].anchor.clone(), ex.worker_error.any()
+        x, anchor, errors_left = run_threads(1, load)[0]
+        saved = torch.cat([common["model"][str(i)] for i in range(4)])
+        saved_anchor = torch.cat([common["optimizer"]["state"][i]["anchor"] for i in range(4)])
+        if save_at == 5:
+            assert torch.equal(x, saved) and torch.equal(anchor, saved_anchor)
+        else:
+            assert torch.equal(x, saved - owed) and not errors_left and torch.equal(anchor, saved_anchor - owed)

@@ -1,6 +1,7 @@
 """``python -m hvd_zoadam.bench resume``: what a resume keeps of the error feedback.
 
-A job of P thread-ranks in one process trains to step ``--save-at`` (past the freeze),
+A job of P thread-ranks in one process trains to step ``--save-at`` (past the freeze; several
+comma-separated steps give one job each, and a summary of the gains over them),
 saves with :func:`hvd_zoadam.checkpoint.save`, and runs on for ``--after`` steps: the
 uninterrupted run. Fresh jobs of P' ranks (``--to``) then load the checkpoint and run the
 same ``--after`` steps, in three ways:
@@ -18,6 +19,9 @@ Cases (``--case``):
 
 * ``regression``: a linear regression over 107 features held in four tensors of 37, 5, 1
   and 64 elements (so every world size pads), AdamW at a constant lr;
+* ``window``: the same regression as 0/1 Adam's local steps see it (:class:`WindowCase`):
+  a global batch split over the ranks, H = 2 then 4 after a freeze at step 6, so that
+  ``--save-at 12`` falls inside a window of local steps;
 * ``lm``: the main job, the char LM of examples/train_lm.py at ``--n-layer``/``--n-embd``
   (see :class:`LMCase`), e.g. ``--case lm --save-at 150 --after 50``.
 """
@@ -84,6 +88,29 @@ class RegressionCase:
     def val_loss(self, model) -> float:
         with torch.no_grad():
             return torch.nn.functional.mse_loss(model(self.val[0]), self.val[1]).item()
+
+
+class WindowCase(RegressionCase):
+    """The regression saved inside a window of local steps: ``var_freeze_step=6``, the
+    ``"steps"`` policy with H = 2 then 4, a global batch of 24 rows per step split over the
+    ranks (``torch.tensor_split``: uneven at P = 5), so that a job of any world size trains on
+    the same data; AdamW at lr 0.01."""
+
+    knobs = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+                 local_step_policy="steps")
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.world_size = None
+
+    def build(self, transport, steps):
+        self.world_size = transport.world_size
+        return super().build(transport, steps)
+
+    def loss(self, model, step, rank):
+        x, y = _regression_batch(step, 0, batch=24)
+        x, y = torch.tensor_split(x, self.world_size)[rank], torch.tensor_split(y, self.world_size)[rank]
+        return torch.nn.functional.mse_loss(model(x), y)
 
 
 class LMCase:
@@ -193,35 +220,53 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
 
 
 def run(args, train_lm=None) -> dict:
-    case = RegressionCase(args) if args.case == "regression" else LMCase(args, train_lm)
-    p, s, k = args.ranks, args.save_at, args.after
-    report = {"bench": "resume", "case": args.case, "ranks": p, "save_at": s, "after": k,
-              "knobs": case.knobs, "lr": case.lr, "runs": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        prefix = os.path.join(tmp, "ckpt")
-        t0 = time.perf_counter()
-        full = _job(case, p, 1, s + k, save=(prefix, s))
-        base, gain = full["at_save"], full["at_save"] - full["end"]
-        report.update(val_at_save=base, uninterrupted=full["end"], uninterrupted_seconds=time.perf_counter() - t0)
-        print(f"uninterrupted P={p}: {base:.4f} -> {full['end']:.4f}", file=sys.stderr)
-        for q in args.to:
-            for mode in ("rank-files", "pooled", "zeroed"):
-                if mode == "rank-files" and q != p:
-                    continue
-                end = _job(case, q, s + 1, s + k, load=prefix, mode=mode)["end"]
-                row = {"world_size": q, "mode": mode, "val_loss": end, "gain": (base - end) / gain,
-                       "vs_uninterrupted": end / full["end"] - 1}
-                report["runs"].append(row)
-                print(f"resume P={q} {mode}: {end:.4f} gain {row['gain']:.3f} "
-                      f"({row['vs_uninterrupted']:+.3%} vs uninterrupted)", file=sys.stderr)
+    case = {"regression": RegressionCase, "window": WindowCase}[args.case](args) if args.case != "lm" \
+        else LMCase(args, train_lm)
+    p, k = args.ranks, args.after
+    report = {"bench": "resume", "case": args.case, "ranks": p, "save_at": args.save_at, "after": k,
+              "knobs": case.knobs, "lr": case.lr, "uninterrupted": [], "runs": []}
+    for s in args.save_at:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = os.path.join(tmp, "ckpt")
+            t0 = time.perf_counter()
+            full = _job(case, p, 1, s + k, save=(prefix, s))
+            base, gain = full["at_save"], full["at_save"] - full["end"]
+            report["uninterrupted"].append({"save_at": s, "val_at_save": base, "val_end": full["end"],
+                                            "seconds": time.perf_counter() - t0})
+            print(f"uninterrupted P={p}, saved at {s}: {base:.4f} -> {full['end']:.4f}", file=sys.stderr)
+            for q in args.to:
+                for mode in ("rank-files", "pooled", "zeroed"):
+                    if mode == "rank-files" and q != p:
+                        continue
+                    end = _job(case, q, s + 1, s + k, load=prefix, mode=mode)["end"]
+                    row = {"save_at": s, "world_size": q, "mode": mode, "val_loss": end, "gain": (base - end) / gain,
+                           "vs_uninterrupted": end / full["end"] - 1}
+                    report["runs"].append(row)
+                    print(f"  resume P={q} {mode}: {end:.4f} gain {row['gain']:.3f} "
+                          f"({row['vs_uninterrupted']:+.3%} vs uninterrupted)", file=sys.stderr)
+    report["summary"] = _summary(report["runs"])
     return report
+
+
+def _summary(runs: list) -> list:
+    """Per (world size, mode): the mean and the smallest gain over the save points."""
+    keys = sorted({(r["world_size"], r["mode"]) for r in runs})
+    out = []
+    for q, mode in keys:
+        gains = [r["gain"] for r in runs if (r["world_size"], r["mode"]) == (q, mode)]
+        out.append({"world_size": q, "mode": mode, "mean_gain": sum(gains) / len(gains), "min_gain": min(gains),
+                    "save_points": len(gains)})
+        print(f"P'={q} {mode:>10}: mean gain {out[-1]['mean_gain']:.3f}, min {out[-1]['min_gain']:.3f} "
+              f"over {len(gains)} save points", file=sys.stderr)
+    return out
 
 
 def add_parser(sub) -> None:
     ap = sub.add_parser("resume", help="what a resume at another world size keeps of the error feedback")
-    ap.add_argument("--case", choices=("regression", "lm"), default="regression")
+    ap.add_argument("--case", choices=("regression", "window", "lm"), default="regression")
     ap.add_argument("--ranks", type=int, default=4, help="world size of the saving job")
-    ap.add_argument("--save-at", type=int, default=12)
+    ap.add_argument("--save-at", type=lambda v: [int(x) for x in v.split(",")], default=[12],
+                    help="steps after which the job saves (comma-separated: one uninterrupted run each)")
     ap.add_argument("--after", type=int, default=6, help="steps run after the save")
     ap.add_argument("--to", type=lambda s: [int(v) for v in s.split(",")], default=[4, 2, 3],
                     help="world sizes that resume (comma-separated)")

@@ -208,17 +208,19 @@ class HierarchicalExchange:
 def node_levels(transport: Transport, hierarchical, name: str):
     """The ``(intra, cross)`` transports of the ``hierarchical`` option, or None (flat).
 
-    A world of one rank: None. Otherwise the ranks first agree on ``hierarchical`` (one
-    uncounted object allgather; a rank that passed another value raises the settings-mismatch
-    ``ValueError`` on every rank, naming both values, before any split could hang). Then
-    ``False``: None. ``True``: ``transport.node_split(name)`` (a ``ValueError`` naming the fix
-    where the transport cannot be split). ``"auto"``: the split where the transport supports one
-    and there are several nodes of several ranks each; else None. Collective (MPI splits) where
-    a split is made.
+    A world of one rank: None. Where the transport can split (MPI, torch.distributed with the
+    nodes known), the ranks first agree on ``hierarchical``, whatever its value: one uncounted
+    object allgather, so a rank that passed another value raises the settings-mismatch
+    ``ValueError`` on every rank, naming both values, where it would otherwise hang in the
+    split (building the optimizer is then collective). Then ``False``: None. ``True``:
+    ``transport.node_split(name)`` (a ``ValueError`` naming the fix where the transport cannot
+    be split). ``"auto"``: the split where the transport supports one and there are several
+    nodes of several ranks each; else None. Collective (MPI splits) where a split is made.
     """
     if transport.world_size == 1:
         return None
-    check_layout(transport, {"hierarchical": hierarchical}, TOPOLOGY_CHECK)
+    if transport.can_split():
+        check_layout(transport, {"hierarchical": hierarchical}, TOPOLOGY_CHECK)
     if hierarchical is False:
         return None
     if hierarchical == "auto" and not transport.can_split():

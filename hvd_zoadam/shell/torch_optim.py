@@ -80,10 +80,47 @@ class StateDictMixin:
                 state["server_error"][ids[p]] = server[a:z].to("cpu", copy=True)
         return state
 
+    def window_closed_state_dicts(self, model: torch.nn.Module) -> tuple | None:
+        """``(model.state_dict(), self.state_dict())`` as they would be had the open window of
+        local steps ended at this step with the exact average of every rank's update (0/1
+        Adam's :meth:`~hvd_zoadam.core.algorithms.zeroone.ZeroOneAdam.close_window`), as copies;
+        the job's own parameters and state are put back as they were. None outside a window
+        (before the freeze, at a SYNC step, 1-bit Adam). :func:`hvd_zoadam.checkpoint.save`
+        writes these into ``{prefix}.pt``, so that a resume from it keeps every rank's progress
+        since the anchor, not rank 0's alone.
+
+        **Collective**: every rank at the same step (one uncounted full-precision average per
+        bucket that moved). Memory: a copy of x, m and the anchor for the time of the call.
+        """
+        algorithm = self.algorithm
+        if not hasattr(algorithm, "close_window") or not algorithm.window_open(self._engine):
+            return None
+        import copy
+        counters = self.param_groups[0][STATE_KEY]
+        kept = [(self._engine.load_x(b).clone(), b.exp_avg.clone(), b.anchor.clone()) for b in self._buckets]
+        windows = [(g["lr_sum"], g["decay_product"]) for g in self.param_groups]
+
+        def average(b, u):
+            index = self._buckets.index(b)
+            return self.transport.wait(self.transport.start("allreduce", u, f"{self._collectives.pool(index)}.window",
+                                                            count=False))
+        try:
+            algorithm.close_window(self._engine, counters["step"], counters["exp_avg_sq_steps"], average)
+            return copy.deepcopy(model.state_dict()), copy.deepcopy(self.state_dict())
+        finally:
+            for b, (x, m, anchor) in zip(self._buckets, kept):
+                self._engine.scatter(x, b.params)
+                b.exp_avg.copy_(m)
+                b.anchor.copy_(anchor)
+            for g, (lr_sum, decay_product) in zip(self.param_groups, windows):
+                g["lr_sum"], g["decay_product"] = lr_sum, decay_product
+
     def load_error_feedback(self, state: dict | None) -> bool:
         """Load :meth:`error_feedback_state` (from any world size) into this rank's buffers:
         ``worker_error`` becomes the saved mean, ``server_error`` this rank's chunk of the
         saved global vector, so the amount the job owes is kept exactly (algorithm.md §6).
+        At world size 1 past 0/1 Adam's freeze, where no exchange would deliver it, what is
+        owed moves the parameters and the anchor at once and the buffers stay at zero.
         Parameters the state does not cover start at zero. Returns False (buffers zeroed) when
         ``state`` is None. Collectives: none.
 
@@ -111,8 +148,17 @@ class StateDictMixin:
                                      f"{name!r} of {z - a} elements there: load a checkpoint of this model")
                 worker[a:z] = saved.to(worker.device)
                 server[a:z] = state["server_error"][pid].to(worker.device)
-            ex.set_errors(worker, server)
+            if self._delivers_owed():
+                counters = self.param_groups[0][STATE_KEY]
+                self.algorithm.deliver_owed(self._engine, b, (worker + server)[:b.numel], counters["step"],
+                                            counters["exp_avg_sq_steps"])
+            else:
+                ex.set_errors(worker, server)
         return True
+
+    def _delivers_owed(self) -> bool:
+        return (self.world_size == 1 and hasattr(self.algorithm, "deliver_owed")
+                and self.param_groups[0][STATE_KEY]["step"] > self.schedule.var_freeze_step)
 
     def __setstate__(self, state: dict) -> None:
         # torch.optim.Optimizer's; Adam's (next in the MRO of DistributedOptimizer's class) would
