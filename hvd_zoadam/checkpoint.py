@@ -17,11 +17,10 @@ size, or without the per-rank files, reads ``{prefix}.pt`` on every rank (put it
 shared file system): every rank takes the mean worker error and its own chunk of the
 server errors, so what the job still owes in error feedback is kept exactly; only how it
 was split among the ranks is lost. Saved inside a window of local steps, ``{prefix}.pt``
-holds the job with that window closed as a SYNC step with the exact average would close it
-(:meth:`ZeroOneAdamOptimizer.window_closed_state_dicts`): the parameters are the anchor
-moved by the mean of every rank's progress since it, and the momentum is rebuilt from that
-mean, so no rank's local steps are lost. The step counters and schedules are restored
-exactly either way.
+holds the means over the ranks of the parameters and the momentum
+(:meth:`ZeroOneAdamOptimizer.window_mean_state_dicts`) with the window's anchor and sums, so
+the next sync owes what every rank did since the anchor, not rank 0's progress alone. The
+step counters and schedules are restored exactly either way.
 
 A file that cannot be read, or that was written for another model or optimizer, raises
 :class:`CheckpointError` naming the file and what does not match; nothing is loaded
@@ -85,9 +84,9 @@ def save(prefix: str, model: torch.nn.Module, optimizer, **extra) -> None:
     rank = optimizer.transport.rank
     own = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "extra": extra}
     pooled = optimizer.error_feedback_state()
-    closed = optimizer.window_closed_state_dicts(model)
+    mean = optimizer.window_mean_state_dicts(model)
     if rank == 0:
-        common = own if closed is None else {"model": closed[0], "optimizer": closed[1], "extra": extra}
+        common = own if mean is None else {"model": mean[0], "optimizer": mean[1], "extra": extra}
         atomic_save({**common, "error_feedback": pooled}, f"{prefix}.pt")
     atomic_save({**own, "rank_state": optimizer.rank_state_dict()}, rank_path(prefix, rank))
 

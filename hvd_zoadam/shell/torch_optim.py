@@ -80,40 +80,40 @@ class StateDictMixin:
                 state["server_error"][ids[p]] = server[a:z].to("cpu", copy=True)
         return state
 
-    def window_closed_state_dicts(self, model: torch.nn.Module) -> tuple | None:
-        """``(model.state_dict(), self.state_dict())`` as they would be had the open window of
-        local steps ended at this step with the exact average of every rank's update (0/1
-        Adam's :meth:`~hvd_zoadam.core.algorithms.zeroone.ZeroOneAdam.close_window`), as copies;
-        the job's own parameters and state are put back as they were. None outside a window
-        (before the freeze, at a SYNC step, 1-bit Adam). :func:`hvd_zoadam.checkpoint.save`
-        writes these into ``{prefix}.pt``, so that a resume from it keeps every rank's progress
-        since the anchor, not rank 0's alone.
+    def window_mean_state_dicts(self, model: torch.nn.Module) -> tuple | None:
+        """``(model.state_dict(), self.state_dict())`` with x and m replaced by their means over
+        the ranks, as copies, inside a window of local steps; None outside one (before the
+        freeze, at a SYNC step, 1-bit Adam). The anchor, Λ and D are the same on every rank and
+        stay; the job's own parameters and momentum are put back as they were.
 
-        **Collective**: every rank at the same step (one uncounted full-precision average per
-        bucket that moved). Memory: a copy of x, m and the anchor for the time of the call.
+        Why the mean: a SYNC step exchanges the mean of u = x_a·D − x over the ranks, which is
+        linear in x, and the local steps move x by −γ·m̂/s with m linear in the gradients, so
+        ranks that all continue from the means of x and m owe the next sync what the ranks did
+        together, where rank 0's state alone would drop the other ranks' progress since the
+        anchor (algorithm.md §6). :func:`hvd_zoadam.checkpoint.save` writes these into
+        ``{prefix}.pt``.
+
+        **Collective**: every rank at the same step (two uncounted full-precision averages per
+        bucket). Memory: a copy of x and m for the time of the call.
         """
         algorithm = self.algorithm
-        if not hasattr(algorithm, "close_window") or not algorithm.window_open(self._engine):
+        if not hasattr(algorithm, "window_open") or not algorithm.window_open(self._engine):
             return None
         import copy
-        counters = self.param_groups[0][STATE_KEY]
-        kept = [(self._engine.load_x(b).clone(), b.exp_avg.clone(), b.anchor.clone()) for b in self._buckets]
-        windows = [(g["lr_sum"], g["decay_product"]) for g in self.param_groups]
+        kept = [(self._engine.load_x(b).clone(), b.exp_avg.clone()) for b in self._buckets]
 
-        def average(b, u):
-            index = self._buckets.index(b)
-            return self.transport.wait(self.transport.start("allreduce", u, f"{self._collectives.pool(index)}.window",
-                                                            count=False))
+        def average_(tensor, name):
+            return self.transport.wait(self.transport.start("allreduce", tensor, name, count=False))
         try:
-            algorithm.close_window(self._engine, counters["step"], counters["exp_avg_sq_steps"], average)
+            for index, b in enumerate(self._buckets):
+                x = average_(self._engine.load_x(b).clone(), f"{self._collectives.pool(index)}.window.x")
+                self._engine.scatter(x, b.params)
+                b.exp_avg.copy_(average_(b.exp_avg.clone(), f"{self._collectives.pool(index)}.window.m"))
             return copy.deepcopy(model.state_dict()), copy.deepcopy(self.state_dict())
         finally:
-            for b, (x, m, anchor) in zip(self._buckets, kept):
+            for b, (x, m) in zip(self._buckets, kept):
                 self._engine.scatter(x, b.params)
                 b.exp_avg.copy_(m)
-                b.anchor.copy_(anchor)
-            for g, (lr_sum, decay_product) in zip(self.param_groups, windows):
-                g["lr_sum"], g["decay_product"] = lr_sum, decay_product
 
     def load_error_feedback(self, state: dict | None) -> bool:
         """Load :meth:`error_feedback_state` (from any world size) into this rank's buffers:

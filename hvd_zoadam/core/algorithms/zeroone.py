@@ -14,8 +14,6 @@ exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exch
 """
 from __future__ import annotations
 
-import torch
-
 from hvd_zoadam.core import kinds
 from hvd_zoadam import native
 from hvd_zoadam.core.schedule import Schedule, StepKind
@@ -153,30 +151,6 @@ class ZeroOneAdam:
     def window_open(engine) -> bool:
         """Whether a window of local steps has moved since its anchor (some group's Λ > 0)."""
         return any(group.get("lr_sum", 0.0) > 0 for group in engine.param_groups)
-
-    def close_window(self, engine, step: int, k: int, average) -> None:
-        """End the open window after step ``step`` as a SYNC step would, with the exact average
-        of the window's update in place of the 1-bit exchange (algorithm.md §6, "A checkpoint
-        inside a window"): u = x_a·Π − x (SYNC steps 2–3), w = ``average(b, u)`` (a float32[n]
-        tensor, the mean over the ranks), then x, m and the anchor rebuilt from w (steps 5–7),
-        Λ = 0 and Π = 1. The error buffers are left as they are. ``k``: ``exp_avg_sq_steps``."""
-        for b in engine.buckets:
-            group = engine.param_groups[b.group_index]
-            if group["lr_sum"] <= 0:
-                continue
-            h = engine.hyper(b, step, k)
-            denom = kinds.adam_denom(b.exp_avg_sq, h)
-            x = engine.load_x(b)
-            u = torch.empty_like(b.anchor)
-            kinds.sync_prepare(x, b.anchor, denom, group["decay_product"], u, self.precondition_compression)
-            w = average(b, u)
-            if group["decay_product"] != 1.0:
-                b.anchor.mul_(group["decay_product"])
-            kinds.sync_finish(x, b.anchor, b.exp_avg, denom, w, group["lr_sum"], h, engine.mask_of(b),
-                              self.precondition_compression)
-            engine.scatter(x, b.params)
-        for group in engine.param_groups:
-            group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
 
 def _with_gradients(ctx: StepContext, k: int):
