@@ -95,3 +95,66 @@ def check_error_feedback_carried_over(outputs, by_step, first_grown):
         old_s = torch.tensor(sum((r["server"][b] for r in last_two), []))[:n]
         new_s = torch.tensor(sum((p["server"][b] for p in after), []))[:n]
         assert torch.equal(new_s, old_s), "the server chunks were not re-cut from the old ones"
+
+
+SHRINK_AT = 10
+
+
+def test_elastic_job_that_loses_a_rank_carries_the_survivors_error_feedback_and_finishes(tmp_path):
+    """The discovery script drops one of three slots after step SHRINK_AT (mid-run, past the
+    freeze): the rank on it is stopped, the two survivors reset to P = 2 and finish every step.
+    Their worker errors become the mean of the survivors' own, the server chunks are re-cut
+    from the survivors' chunks at their old places, and the dropped rank's chunk (what it owed
+    as a server) restarts at zero, as algorithm.md §6 says; parameters agree after every sync."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:3\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--network-interfaces", "lo", "--gloo",
+           sys.executable, str(ROOT / "tests/mp/worker_elastic.py"), str(out), str(hosts), str(STEPS),
+           str(SHRINK_AT), "2"]
+    run_cmd(cmd, timeout_s=240)
+
+    outputs = [json.loads(f.read_text()) for f in sorted(out.glob("pid*.json"))]
+    assert len(outputs) == 2, "the two survivors write their records; the stopped rank never finishes"
+    runs = [o["records"] for o in outputs]
+    assert [len(r) for r in runs] == [STEPS, STEPS]
+    by_step = defaultdict(list)
+    for run in runs:
+        for rec in run:
+            by_step[rec["step"]].append(rec)
+    shrunk = [s for s in sorted(by_step) if by_step[s][0]["world"] == 2]
+    assert shrunk and shrunk[0] > SHRINK_AT and shrunk[-1] == STEPS - 1
+    for s in range(shrunk[0]):
+        assert {r["world"] for r in by_step[s]} == {3}
+    for s in shrunk:
+        recs = by_step[s]
+        assert sorted(r["rank"] for r in recs) == [0, 1] and recs[0]["schedule"] == recs[1]["schedule"]
+        for r in recs:
+            assert r["worker_error"] == [padded_numel(n, 2) for n in r["numel"]]
+        if recs[0]["kind"] == "sync":
+            assert recs[0]["params"] == recs[1]["params"], f"params differ after the sync at step {s}"
+    assert sum(by_step[s][0]["kind"] == "sync" for s in shrunk) >= 3
+    # the carried error feedback, against the survivors' buffers after their last step at P = 3
+    last = {r["pid"]: r for r in by_step[shrunk[0] - 1]}
+    survivors = [last[o["records"][0]["pid"]] for o in outputs]
+    after = sorted((p for o in outputs for p in o["pooled"] if p["world"] == 2), key=lambda p: p["rank"])
+    assert [p["survivors"] for p in after] == [2, 2]
+    for b, n in enumerate(survivors[0]["numel"]):
+        old_w = torch.tensor([r["worker"][b] for r in survivors], dtype=torch.float64)
+        assert old_w.abs().sum() > 0
+        mean = ((old_w[0] + old_w[1]) / 2).float()
+        for p in after:
+            assert torch.equal(torch.tensor(p["worker"][b]), mean), f"rank {p['rank']}: worker_error is not the mean"
+        chunk = padded_numel(n, 3) // 3
+        want = torch.zeros(padded_numel(n, 3))
+        for r in survivors:  # each survivor's old chunk at its old place; the dropped rank's stays 0
+            want[r["rank"] * chunk:(r["rank"] + 1) * chunk] = torch.tensor(r["server"][b])
+        new_s = torch.tensor(sum((p["server"][b] for p in after), []))[:n]
+        assert torch.equal(new_s, want[:n]), "the server chunks were not re-cut from the survivors' old ones"
+        dropped = ({0, 1, 2} - {r["rank"] for r in survivors}).pop()
+        assert want[dropped * chunk:(dropped + 1) * chunk].abs().sum() == 0

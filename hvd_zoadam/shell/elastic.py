@@ -14,7 +14,10 @@ is Horovod's optimizer handler (deep copy of ``state_dict()`` on commit,
   :meth:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer.pool_errors_after_reset` on every
   rank, then ``hvd.broadcast_optimizer_state(opt, root_rank=0)``: m, v, the anchor, the
   window and the schedule counters come from rank 0, and the error feedback the surviving
-  ranks owe is carried over to buffers laid out for the new world size.
+  ranks owe is carried over to buffers laid out for the new world size;
+* a reset after which Horovod skips ``sync()`` (hosts only removed: every rank left is a
+  survivor) is noticed by the next ``step()``, which re-lays out and carries the survivors'
+  error feedback over in the same way, since every rank of the new world gets there.
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ def register_state_handler(optimizer_cls) -> bool:
         def __init__(self, optimizer):
             super().__init__(optimizer)
             self._saved_rank_state = optimizer.rank_state_dict()
+            # A reset that skips sync() (hosts only removed) then reaches step() on every
+            # survivor alone, and step() may pool the error feedback there.
+            optimizer._elastic_state_handler = True
 
         def save(self):
             super().save()

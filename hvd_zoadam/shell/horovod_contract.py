@@ -58,9 +58,14 @@ class HorovodContract:
         if self._pending is not None:
             return
         if self.transport.refresh():
-            # An elastic reset without hvd.elastic.TorchState: re-lay out here (collective-free).
+            # An elastic reset that sync() did not see: re-lay out here. Under TorchState it was
+            # a removal of hosts only (Horovod skips sync() then): every rank of the new world
+            # is a survivor and gets here, so the error feedback is pooled. Without TorchState a
+            # new rank would not get here: nothing collective, error feedback at zero.
             passes = dict(self._passes)
             self.on_reset()
+            if getattr(self, "_elastic_state_handler", False):
+                self.pool_errors_after_reset()
             self._passes.update(passes)
         self._prepare_step()
 
@@ -157,7 +162,9 @@ class HorovodContract:
 
         ``hvd.elastic.TorchState`` calls this from its ``sync()`` on every rank (hvd_zoadam
         registers a state handler for its optimizer); :meth:`step` also calls it when it
-        finds the world size or rank changed (then error feedback restarts at zero).
+        finds the world size or rank changed: after a removal of hosts, for which Horovod
+        skips ``sync()``, followed by :meth:`pool_errors_after_reset` under ``TorchState``;
+        without ``TorchState`` error feedback restarts at zero.
         Collectives: none.
         """
         before = (self.world_size, self.transport.rank, [b.exchange for b in self._buckets])

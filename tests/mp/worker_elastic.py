@@ -1,8 +1,11 @@
-"""Elastic job for tests/test_elastic.py: hvd.elastic.run + TorchState, growing from 2 to 3 ranks.
+"""Elastic job for tests/test_elastic.py: hvd.elastic.run + TorchState, growing from 2 to 3 ranks
+or shrinking from 3 to 2.
 
-argv: OUT_DIR HOSTS_FILE STEPS GROW_AT. Rank 0 writes ``localhost:3`` into HOSTS_FILE (read by
-the host-discovery script) after step GROW_AT; while the world is still at 2 after that, every
-rank waits a little per step so the driver's notice arrives well before the end. Each process
+argv: OUT_DIR HOSTS_FILE STEPS CHANGE_AT [TO]. Rank 0 writes ``localhost:TO`` (default 3) into
+HOSTS_FILE (read by the host-discovery script) after step CHANGE_AT; while the world size is
+not yet TO after that, every rank waits a little per step so the driver's notice arrives well
+before the end. Shrinking removes the slot of local rank 2: its worker is stopped by the
+driver and never finishes. Each process
 writes OUT_DIR/pid<pid>.json: one record per step it ran (world size, rank, kind, schedule
 state, lr, error-buffer sizes and contents, digests of the parameters, exp_avg and exp_avg_sq)
 under "records", and under "pooled" what each ``pool_errors_after_reset`` left in the buffers.
@@ -34,7 +37,8 @@ def digest(tensors) -> str:
 
 def main():
     out_dir, hosts_file = Path(sys.argv[1]), Path(sys.argv[2])
-    steps, grow_at = int(sys.argv[3]), int(sys.argv[4])
+    steps, change_at = int(sys.argv[3]), int(sys.argv[4])
+    to = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     hvd.init()
     torch.set_num_threads(1)
     model = mlp()
@@ -68,7 +72,7 @@ def main():
             if opt.schedule.kind(sched["step"]).value == "sync":
                 common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after sync {step}")
             records.append({
-                "step": step, "world": hvd.size(), "rank": hvd.rank(), "kind": opt.schedule.kind(sched["step"]).value,
+                "step": step, "world": hvd.size(), "rank": hvd.rank(), "pid": os.getpid(), "kind": opt.schedule.kind(sched["step"]).value,
                 "schedule": sched,
                 "worker_error": [b.exchange.worker_error.numel() for b in opt._buckets],
                 "server_error": [b.exchange.server_error.numel() for b in opt._buckets],
@@ -78,9 +82,9 @@ def main():
                 "exp_avg_sq": digest(opt.state[p]["exp_avg_sq"] for p in model.parameters()),
                 "lr": opt.param_groups[0]["lr"], **errors(),
             })
-            if step == grow_at and hvd.rank() == 0:
-                hosts_file.write_text("localhost:3\n")
-            if step >= grow_at and hvd.size() < 3:
+            if step == change_at and hvd.rank() == 0:
+                hosts_file.write_text(f"localhost:{to}\n")
+            if step >= change_at and hvd.size() != to:
                 time.sleep(0.5)
             state.batch = step + 1
             state.commit()
