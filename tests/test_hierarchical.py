@@ -285,14 +285,18 @@ def mpi_job(request, tmp_path_factory):
 
 
 def test_mpi_ranks_that_disagree_on_hierarchical_fail_at_construction_on_every_rank(mpi_job):
-    """Rank 1 passes hierarchical=False, the others True: before any communicator split (which
-    would hang with rank 1 absent), every rank raises the settings mismatch naming both values."""
+    """Rank 1 passes hierarchical=False, the others True: no rank hangs in a communicator split
+    (which rank 1 would never join). The others' agreement at construction meets rank 1's
+    first-step settings check, and every rank raises the settings mismatch naming the
+    hierarchical values (None: rank 1's flat topology)."""
     p, _, ranks = mpi_job
     for r in ranks:
         err = r["mismatch"]["error"]
         assert err is not None and "settings or parameter layout differ across ranks" in err, (r["rank"], err)
-        mine, theirs = (False, True) if r["rank"] == 1 else (True, False)
-        assert f"hierarchical: this rank ({r['rank']}) has {mine!r}" in err and f"has {theirs!r}" in err, err
+        if r["rank"] == 1:
+            assert "hierarchical: this rank (1) has None, rank 0 has True" in err, err
+        else:
+            assert f"hierarchical: this rank ({r['rank']}) has True, rank 1 has None" in err, err
         assert r["mismatch"]["seconds"] < 30
 
 def test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula(mpi_job):

@@ -28,7 +28,7 @@ import torch
 
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import node_shards, padded_numel, segment_offsets, shard_segments
-from hvd_zoadam.comm.protocol import TOPOLOGY_CHECK, Exchange, _align4, check_layout, step_mismatch
+from hvd_zoadam.comm.protocol import Exchange, _align4, check_layout, step_mismatch
 from hvd_zoadam.comm.transport import Transport
 
 
@@ -208,19 +208,22 @@ class HierarchicalExchange:
 def node_levels(transport: Transport, hierarchical, name: str):
     """The ``(intra, cross)`` transports of the ``hierarchical`` option, or None (flat).
 
-    A world of one rank: None. Where the transport can split (MPI, torch.distributed with the
-    nodes known), the ranks first agree on ``hierarchical``, whatever its value: one uncounted
-    object allgather, so a rank that passed another value raises the settings-mismatch
-    ``ValueError`` on every rank, naming both values, where it would otherwise hang in the
-    split (building the optimizer is then collective). Then ``False``: None. ``True``:
-    ``transport.node_split(name)`` (a ``ValueError`` naming the fix where the transport cannot
-    be split). ``"auto"``: the split where the transport supports one and there are several
-    nodes of several ranks each; else None. Collective (MPI splits) where a split is made.
+    A world of one rank: None. Before a split, where the transport can make one (MPI,
+    torch.distributed with the nodes known), the ranks agree on ``hierarchical``: one uncounted
+    object allgather, so ranks that passed ``True`` and ``"auto"`` raise the settings-mismatch
+    ``ValueError`` on every rank, naming both values, instead of hanging in the split. A rank
+    that passed ``False`` runs no collective here (building an optimizer on some ranks only,
+    e.g. over an EMA copy, stays possible); the others' allgather then meets its first step's
+    settings check (it has that check's name, for Horovod's collectives, which pair up by name;
+    MPI's pair up by order), and both sides raise the mismatch there. Then ``False``: None. ``True``: ``transport.node_split(name)`` (a
+    ``ValueError`` naming the fix where the transport cannot be split). ``"auto"``: the split
+    where the transport supports one and there are several nodes of several ranks each; else
+    None. Collective (MPI splits) where a split is made.
     """
     if transport.world_size == 1:
         return None
-    if transport.can_split():
-        check_layout(transport, {"hierarchical": hierarchical}, TOPOLOGY_CHECK)
+    if hierarchical is not False and transport.can_split():
+        check_layout(transport, {"hierarchical": hierarchical})  # named as the first step's check
     if hierarchical is False:
         return None
     if hierarchical == "auto" and not transport.can_split():

@@ -41,7 +41,6 @@ from hvd_zoadam.comm.transport import Transport
 
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
-TOPOLOGY_CHECK = "zoadam.topology_check"  # the same, for the hierarchical option before any split
 
 
 class CollectiveNames:
@@ -584,7 +583,9 @@ def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> 
     for rank, theirs in enumerate(everyone):
         if theirs == mine:
             continue
-        keys = sorted(set(mine) | set(theirs))
+        # keys both sides have first: where the other side's message is another check's
+        # (the topology agreement met by a first-step check), the common key is the news
+        keys = sorted(set(mine) | set(theirs), key=lambda k: (not (k in mine and k in theirs), k))
         diffs = [f"{k}: this rank ({transport.rank}) has {mine.get(k, '<missing>')!r}, "
                  f"rank {rank} has {theirs.get(k, '<missing>')!r}" for k in keys if mine.get(k) != theirs.get(k)]
         raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "

@@ -110,6 +110,7 @@ def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, grou
         if scale_block_numel % 8:
             raise ValueError(f"scale_block_numel must be a multiple of 8 (whole bytes of sign bits per block), "
                              f"got {scale_block_numel}")
-    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or \
+            not 0 < bucket_cap_mb < 2 ** 40:
+        raise ValueError(f"bucket_cap_mb must be a number > 0 and below 2**40 (MiB), got {bucket_cap_mb!r}")
     return scale_block_numel

@@ -208,6 +208,7 @@ class StateDictMixin:
         the GPU when a checkpoint was loaded to the CPU."""
         if STATE_KEY not in state_dict["param_groups"][0]:
             state_dict = self._from_adam_state_dict(state_dict)
+        self._check_loadable(state_dict)
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -228,6 +229,32 @@ class StateDictMixin:
         for group in self.param_groups:
             group.setdefault("lr_sum", 0.0)
             group.setdefault("decay_product", 1.0)
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        """ValueError, before anything changes, for a state dict whose groups lack an option of
+        this optimizer or whose counters are not what 0/1 Adam keeps (a damaged file that still
+        unpickles): ``step`` and ``exp_avg_sq_steps`` ints with 0 <= k <= step, ``freeze_lr`` a
+        number or None, ``lr_sum`` and ``decay_product`` numbers."""
+        def number(value):
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        counters = state_dict["param_groups"][0][STATE_KEY]
+        if not isinstance(counters, dict) or not {"step", "exp_avg_sq_steps", "freeze_lr"} <= set(counters):
+            raise ValueError(f"the state dict's {STATE_KEY!r} counters must be a dict with step, exp_avg_sq_steps and "
+                             f"freeze_lr, got {counters!r}")
+        step, k = counters["step"], counters["exp_avg_sq_steps"]
+        if not (type(step) is int and type(k) is int and 0 <= k <= step):
+            raise ValueError(f"the state dict's counters step={step!r} and exp_avg_sq_steps={k!r} must be ints "
+                             "with 0 <= exp_avg_sq_steps <= step")
+        if counters["freeze_lr"] is not None and not number(counters["freeze_lr"]):
+            raise ValueError(f"the state dict's freeze_lr must be a number or None, got {counters['freeze_lr']!r}")
+        for index, group in enumerate(state_dict["param_groups"]):
+            missing = sorted(set(self.defaults) - set(group))
+            if missing:
+                raise ValueError(f"param group {index} of the state dict lacks {missing}: not a state dict of "
+                                 f"this optimizer")
+            for key in ("lr_sum", "decay_product"):
+                if key in group and not number(group[key]):
+                    raise ValueError(f"param group {index} of the state dict has {key}={group[key]!r}, not a number")
 
     def _from_adam_state_dict(self, state_dict: dict) -> dict:
         """An Adam ``state_dict`` as the 0/1 Adam ``state_dict`` it is taken over as (see

@@ -6,7 +6,7 @@
 * ``train``: 24 steps of 0/1 Adam with ``hierarchical=True`` and with ``False`` (final
   parameters, ``comm_stats()``, the error feedback the job owes after the last step);
 * ``mismatch``: the error (or None) of building the optimizer with ``hierarchical=False`` on
-  rank 1 and ``True`` elsewhere, and the seconds it took.
+  rank 1 and ``True`` elsewhere and taking one step, and the seconds it took.
 """
 from __future__ import annotations
 
@@ -70,8 +70,11 @@ def scenario_mismatch(out):
     model = common.mlp()
     start = time.perf_counter()
     try:
-        FRONT_END(torch.optim.Adam(model.parameters(), lr=common.LR), named_parameters=model.named_parameters(),
-                  transport=TRANSPORT(), hierarchical=hvd.rank() != 1, **common.TRAIN)
+        opt = FRONT_END(torch.optim.Adam(model.parameters(), lr=common.LR), named_parameters=model.named_parameters(),
+                        transport=TRANSPORT(), hierarchical=hvd.rank() != 1, **common.TRAIN)
+        opt.zero_grad()
+        common.loss_fn(model, 1, hvd.rank()).backward()
+        opt.step()
         out["mismatch"] = {"error": None}
     except ValueError as exc:
         out["mismatch"] = {"error": str(exc)}
