@@ -25,18 +25,26 @@ from hvd_zoadam import padded_numel
 STEPS, GROW_AT = 30, 8
 
 
-def test_elastic_job_grows_from_two_to_three_ranks(tmp_path):
+def _elastic_job(tmp_path, start: int, change_at: int, to: int):
+    """horovodrun --gloo --min-np 2 --max-np 3 of tests/mp/worker_elastic.py on ``start`` slots
+    of localhost, the discovery script's file rewritten to ``to`` slots after ``change_at``;
+    returns the output folder."""
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
+    hosts.write_text(f"localhost:{start}\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--network-interfaces", "lo", "--gloo",
-           sys.executable, str(ROOT / "tests/mp/worker_elastic.py"), str(out), str(hosts), str(STEPS), str(GROW_AT)]
-    run_cmd(cmd, timeout_s=240)
+    run_cmd([str(BIN / "horovodrun"), "-np", str(start), "--min-np", "2", "--max-np", "3",
+             "--host-discovery-script", str(discover), "--network-interfaces", "lo", "--gloo",
+             sys.executable, str(ROOT / "tests/mp/worker_elastic.py"), str(out), str(hosts), str(STEPS),
+             str(change_at), str(to)], timeout_s=240)
+    return out
+
+
+def test_elastic_job_grows_from_two_to_three_ranks(tmp_path):
+    out = _elastic_job(tmp_path, 2, GROW_AT, 3)
 
     outputs = [json.loads(f.read_text()) for f in sorted(out.glob("pid*.json"))]
     runs = [o["records"] for o in outputs]
@@ -106,18 +114,7 @@ def test_elastic_job_that_loses_a_rank_carries_the_survivors_error_feedback_and_
     Their worker errors become the mean of the survivors' own, the server chunks are re-cut
     from the survivors' chunks at their old places, and the dropped rank's chunk (what it owed
     as a server) restarts at zero, as algorithm.md §6 says; parameters agree after every sync."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:3\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
-    out = tmp_path / "out"
-    out.mkdir()
-    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--network-interfaces", "lo", "--gloo",
-           sys.executable, str(ROOT / "tests/mp/worker_elastic.py"), str(out), str(hosts), str(STEPS),
-           str(SHRINK_AT), "2"]
-    run_cmd(cmd, timeout_s=240)
+    out = _elastic_job(tmp_path, 3, SHRINK_AT, 2)
 
     outputs = [json.loads(f.read_text()) for f in sorted(out.glob("pid*.json"))]
     assert len(outputs) == 2, "the two survivors write their records; the stopped rank never finishes"
