@@ -83,7 +83,7 @@ class StateDictMixin:
     def window_mean_state_dicts(self, model: torch.nn.Module) -> tuple | None:
         """``(model.state_dict(), self.state_dict())`` with x and m replaced by their means over
         the ranks, as copies, inside a window of local steps; None outside one (before the
-        freeze, at a SYNC step, 1-bit Adam). The anchor, Λ and D are the same on every rank and
+        freeze, at a SYNC step, 1-bit Adam) and at world size 1. The anchor, Λ and D are the same on every rank and
         stay; the job's own parameters and momentum are put back as they were.
 
         Why the mean: a SYNC step exchanges the mean of u = x_a·D − x over the ranks, which is
@@ -97,7 +97,7 @@ class StateDictMixin:
         bucket). Memory: a copy of x and m for the time of the call.
         """
         algorithm = self.algorithm
-        if not hasattr(algorithm, "window_open") or not algorithm.window_open(self._engine):
+        if self.world_size == 1 or not hasattr(algorithm, "window_open") or not algorithm.window_open(self._engine):
             return None
         import copy
         kept = [(self._engine.load_x(b).clone(), b.exp_avg.clone()) for b in self._buckets]
