@@ -8,6 +8,7 @@ files are :mod:`hvd_zoadam.checkpoint`'s. The one collective, in
 """
 from __future__ import annotations
 
+import copy
 import sys
 import weakref
 
@@ -99,7 +100,6 @@ class StateDictMixin:
         algorithm = self.algorithm
         if self.world_size == 1 or not hasattr(algorithm, "window_open") or not algorithm.window_open(self._engine):
             return None
-        import copy
         kept = [(self._engine.load_x(b).clone(), b.exp_avg.clone()) for b in self._buckets]
 
         def average_(tensor, name):
