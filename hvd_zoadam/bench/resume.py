@@ -192,6 +192,11 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
 
     def body(rank, transport):
         torch.set_num_threads(1)
+        # One Numba thread per thread-rank (the setting is per calling thread): with several,
+        # kernels called from four threads at once split their reductions differently from
+        # run to run, and the exact resume was no longer bitwise on the char LM.
+        import numba
+        numba.set_num_threads(1)
         model, opt, sched = case.build(transport, last)
         if load is not None:
             if mode == "rank-files":
