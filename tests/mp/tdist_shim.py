@@ -7,6 +7,8 @@ with ``all_reduce`` before ``step()``), the role ``hvd.DistributedOptimizer`` pl
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,8 @@ import hvd_zoadam.distributed as zd
 
 def init() -> None:
     dist.init_process_group("gloo")
+    # the launcher's view and the group's must agree, or every oracle comparison is off by a rank
+    assert (dist.get_rank(), dist.get_world_size()) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 def rank() -> int:

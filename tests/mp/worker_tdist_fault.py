@@ -21,6 +21,7 @@ def main():
         try:
             hvd_zoadam.compressed_allreduce(torch.randn(n), we, se, transport=transport)
         except hvd_zoadam.CollectiveTimeoutError as exc:
+            assert "did not complete within" in str(exc) and "zoadam.car." in str(exc), str(exc)
             print(f"rank 0: CollectiveTimeoutError: {exc}", flush=True)
             sys.exit(0)
         sys.exit("rank 0: the exchange completed without its peer")

@@ -41,6 +41,7 @@ def main():
         out["mismatch"] = "accepted"
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    assert out["mismatch"] != "accepted", "ranks with different options took a step together"
     torch.save(out, os.path.join(sys.argv[1], f"rank{rank}.pt"))
 
 

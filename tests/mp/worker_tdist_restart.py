@@ -50,6 +50,7 @@ def main():
     prefix, resumed = os.path.join(out, "ckpt"), 0
     if os.path.exists(prefix + ".pt"):
         resumed = checkpoint.load(prefix, model, opt)["step"]
+        assert resumed % EVERY == 0 and opt.schedule_state()["step"] == resumed, (resumed, opt.schedule_state())
     for t in range(resumed + 1, stop_at + 1):
         opt.zero_grad()
         common.loss_fn(model, t, rank).backward()
