@@ -28,7 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from hvd_zoadam.bench.lm import add_model_arguments
-from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.comm.hierarchical import hierarchical_exchange_bytes
+from hvd_zoadam.comm.protocol import exchange_bytes
+from hvd_zoadam.core.layout import scale_segments
+from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.oracle.simulate import simulate_zoadam
 
 # name -> (simulate_zoadam keyword overrides, schedule overrides)
@@ -41,7 +44,7 @@ VARIANTS = {
     "no-clip": ({"clip_scale": math.inf}, {}),
     "unscaled-bound": ({"clip_scale": "1/sqrt_p"}, {}),
     "k-bound": ({"clip_scale": "k"}, {}),
-    "two-level": ({"ranks_per_node": 2}, {}),
+    "two-level": ({"ranks_per_node": "L"}, {}),
     "paper-domain": ({"precondition": False}, {}),
     "paper-raw": ({"precondition": False, "auto_mask": False}, {}),
     "no-local-steps": ({}, {"local_step_clipper": 1}),
@@ -83,6 +86,54 @@ def _grad_fn(model, names, train_data, args, train_lm, curve=None, val_data=None
     return grad_fn
 
 
+def _batched_grad_fn(model, names, train_data, args, train_lm, curve=None, val_data=None):
+    """Every rank's gradient in one call (``simulate_zoadam``'s ``batched_grad_fn``): torch.func's
+    ``vmap`` over the ranks of ``grad`` of the loss at each rank's parameters
+    (``functional_call``), each rank on the batch its own stream gives (as :func:`_grad_fn`).
+    The same gradients as P separate backward passes, up to the batched kernels' summation order.
+
+    ``curve``: as :func:`_grad_fn`, with the P validation losses from one batched pass."""
+    gens = [torch.Generator().manual_seed(args.seed * 1000 + r) for r in range(args.ranks)]
+    shapes = [p.shape for p in model.parameters()]
+    every = getattr(args, "eval_every", 0)
+
+    def loss(params, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, params, (x,)).flatten(0, 1), y.flatten())
+    grads = torch.func.vmap(torch.func.grad(loss))
+
+    def grad_fn(step, xs):
+        if curve is not None and every and step > 1 and (step - 1) % every == 0:
+            same = xs.stride(0) == 0  # one x for every rank (Adam's): evaluate it once
+            losses = _val_losses(model, names, xs[:1] if same else xs, val_data, args, train_lm)
+            curve.setdefault(step - 1, []).extend(losses * (xs.shape[0] if same else 1))
+        batches = [train_lm.get_batch(train_data, args.batch_size, args.block_size, g) for g in gens]
+        out = grads(_unflatten(names, shapes, xs), torch.stack([x for x, _ in batches]),
+                    torch.stack([y for _, y in batches]))
+        return torch.cat([out[name].reshape(xs.shape[0], -1) for name in names], dim=1)
+    return grad_fn
+
+
+def _unflatten(names, shapes, xs) -> dict:
+    """float32[P, n] (bucket order) -> {name: float32[P, *shape]}, views of ``xs``."""
+    rows = xs.shape[0]
+    parts = xs.split([math.prod(s) for s in shapes], dim=1)
+    return {name: part.reshape(rows, *shape) for name, part, shape in zip(names, parts, shapes)}
+
+
+@torch.no_grad()
+def _val_losses(model, names, xs, val_data, args, train_lm) -> list:
+    """Each rank's validation loss on train_lm's fixed batches, the P ranks (rows of ``xs``,
+    float32[P, n]) in one batched forward pass per batch."""
+    shapes = [p.shape for p in model.parameters()]
+    params = _unflatten(names, shapes, xs)
+    forward = torch.func.vmap(lambda ps, x, y: F.cross_entropy(
+        torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten()), in_dims=(0, None, None))
+    gen = torch.Generator().manual_seed(12345)
+    batches = [train_lm.get_batch(val_data, args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
+    total = sum(forward(params, x, y).double() for x, y in batches)
+    return (total / len(batches)).tolist()
+
+
 def _val_loss(model, names, ranks_params, val_data, args, train_lm) -> float:
     """Mean over ranks of each rank's validation loss on train_lm's fixed batches."""
     params = dict(model.named_parameters())
@@ -102,14 +153,20 @@ def _evaluate(model, data, args, train_lm) -> float:
     return sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / len(batches)
 
 
-def _adam(model, names, init, grad_fn, lr_fn, decay_of, args) -> list:
-    """AdamW on the exact average of the P gradients, every step; returns the final params."""
+def _adam(model, names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
+    """AdamW on the exact average of the P gradients, every step; returns the final params.
+    ``batched``: ``grad_fn`` is :func:`_batched_grad_fn`'s."""
     xs = [x.clone() for x in init]
     groups = [{"params": [x for x, n in zip(xs, names) if decay_of(n)], "weight_decay": args.weight_decay},
               {"params": [x for x, n in zip(xs, names) if not decay_of(n)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2))
     for t in range(1, args.steps + 1):
-        grads = [grad_fn(t, r, xs) for r in range(args.ranks)]
+        if batched:  # float32[P, n] -> the ranks' gradients as lists of tensors
+            flat = torch.cat([x.detach().reshape(-1) for x in xs]).expand(args.ranks, -1)
+            grads = [[g.view_as(x) for g, x in zip(row.split([x.numel() for x in xs]), xs)]
+                     for row in grad_fn(t, flat)]
+        else:
+            grads = [grad_fn(t, r, xs) for r in range(args.ranks)]
         for i, x in enumerate(xs):
             x.grad = sum((g[i] for g in grads[1:]), grads[0][i].clone()).div_(args.ranks)
         for group in opt.param_groups:
@@ -121,6 +178,7 @@ def _adam(model, names, init, grad_fn, lr_fn, decay_of, args) -> list:
 def run(args, train_lm) -> dict:
     """The convergence report (see the module docstring)."""
     torch.set_num_threads(args.threads)
+    batched = args.oracle == "batched"
     model, train_data, val_data = _lm(train_lm, args)
     names = [n for n, _ in model.named_parameters()]
     init = [p.detach().clone() for p in model.parameters()]
@@ -138,14 +196,21 @@ def run(args, train_lm) -> dict:
     for name in runs:
         start = time.perf_counter()
         curve = {}
-        grad_fn = _grad_fn(model, names, train_data, args, train_lm, curve, val_data)
+        grad_fn = (_batched_grad_fn if batched else _grad_fn)(model, names, train_data, args, train_lm, curve,
+                                                               val_data)
         if name == "adam":
-            final = [_adam(model, names, init, grad_fn, lr_fn, decay_of, args)]
-            trace = None
+            final = [_adam(model, names, init, grad_fn, lr_fn, decay_of, args, batched)]
+            trace, kinds = None, None
         else:
-            final, trace = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay)
-        loss = _val_loss(model, names, final, val_data, args, train_lm)
-        row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1)}
+            final, trace, kinds = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched)
+        if batched:
+            xs = torch.stack([torch.cat([x.reshape(-1) for x in rank]) for rank in final])
+            losses = _val_losses(model, names, xs, val_data, args, train_lm)
+            loss = sum(losses) / len(losses)
+        else:
+            loss = _val_loss(model, names, final, val_data, args, train_lm)
+        row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1),
+               **_bytes(name, kinds, [p.numel() for p in init], args)}
         if curve:
             row["curve"] = [[t, sum(v) / len(v)] for t, v in sorted(curve.items())] + [[args.steps, loss]]
         if trace:
@@ -153,9 +218,10 @@ def run(args, train_lm) -> dict:
         report["variants"][name] = row
         print(f"[convergence] P={args.ranks} {name}: val loss {loss:.4f} ({row['wall_s']} s)", file=sys.stderr,
               flush=True)
-    adam = report["variants"]["adam"]["val_loss"]
+    adam = report["variants"]["adam"]
     for row in report["variants"].values():
-        row["vs_adam"] = row["val_loss"] / adam - 1
+        row["vs_adam"] = row["val_loss"] / adam["val_loss"] - 1
+        row["bytes_vs_adam"] = row["bytes_per_rank"] / adam["bytes_per_rank"] if adam["bytes_per_rank"] else None
     if "curve" in report["variants"]["adam"]:
         target = next(v for t, v in report["variants"]["adam"]["curve"] if t >= 2 * args.steps / 3)
         report["target_val_loss"] = target
@@ -164,7 +230,8 @@ def run(args, train_lm) -> dict:
     return report
 
 
-def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay):
+def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched=False):
+    """One 0/1 Adam variant through the oracle: (final params per rank, trace, step kinds)."""
     overrides, sched_overrides = VARIANTS[name]
     overrides = dict(overrides)
     if overrides.get("clip_scale") == "1/sqrt_p":  # the bound without its factor sqrt(P)
@@ -177,12 +244,41 @@ def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay):
         knobs[key] = 2 * freeze if value == "2x" else value
     schedule = Schedule(knobs["var_freeze_step"], knobs["var_update_scaler"], knobs["local_step_scaler"],
                         knobs["local_step_clipper"], knobs["local_step_policy"])
+    if overrides.get("ranks_per_node") == "L":
+        overrides["ranks_per_node"] = args.ranks_per_node
     trace = []
-    final, _ = simulate_zoadam(init, grad_fn, world_size=args.ranks,
-                               steps=args.steps, schedule=schedule, lr_fn=lr_fn, betas=(0.9, args.beta2),
-                               weight_decay=weight_decay, decoupled=True, scale_block_numel=args.scale_block_numel,
-                               trace=trace, **overrides)
-    return final, trace
+    fns = {"batched_grad_fn": grad_fn} if batched else {"grad_fn": grad_fn}
+    final, kinds = simulate_zoadam(init, world_size=args.ranks, steps=args.steps, schedule=schedule, lr_fn=lr_fn,
+                                   betas=(0.9, args.beta2), weight_decay=weight_decay, decoupled=True,
+                                   scale_block_numel=args.scale_block_numel, trace=trace, stacked=batched,
+                                   **fns, **overrides)
+    return final, trace, kinds
+
+
+def _bytes(name, kinds, numels, args) -> dict:
+    """What each rank would send over the run in the real job, by the transport's counting
+    (one bucket): AdamW's fp32 allreduce 2(P−1)/P·4n every step; 0/1 Adam's VARIANCE steps
+    the same, COMPRESSED and SYNC steps :func:`~hvd_zoadam.comm.protocol.exchange_bytes` (flat)
+    or :func:`~hvd_zoadam.comm.hierarchical.hierarchical_exchange_bytes` (two-level, the mean
+    over local ranks; ``between_nodes_per_rank`` its cross-node part). Variants whose
+    exchange is exact count as 0/1 Adam."""
+    p, n = args.ranks, sum(numels)
+    allreduce = 2 * (p - 1) / p * 4 * n
+    if kinds is None:
+        return {"bytes_per_rank": allreduce * args.steps}
+    segments = scale_segments(numels, args.scale_block_numel)
+    local = VARIANTS[name][0].get("ranks_per_node")
+    counts = {kind: sum(1 for k in kinds if k is kind) for kind in StepKind}
+    onebit = counts[StepKind.COMPRESSED] + counts[StepKind.SYNC]
+    out = {"rounds": 2 * onebit + counts[StepKind.VARIANCE]}
+    if local is None:
+        out["bytes_per_rank"] = counts[StepKind.VARIANCE] * allreduce + onebit * exchange_bytes(segments, p)
+        return out
+    levels = hierarchical_exchange_bytes(segments, p, args.ranks_per_node if local == "L" else local)
+    inside, between = (sum(x) / len(levels) for x in zip(*levels))
+    out["bytes_per_rank"] = counts[StepKind.VARIANCE] * allreduce + onebit * (inside + between)
+    out["between_nodes_per_rank"] = counts[StepKind.VARIANCE] * allreduce + onebit * between
+    return out
 
 
 def _ratios(rows: list) -> dict:
@@ -223,6 +319,10 @@ def add_parser(sub) -> None:
     co.add_argument("--local-step-policy", default="lr")
     co.add_argument("--scale-block-numel", type=int, default=256)
     co.add_argument("--threads", type=int, default=2)
+    co.add_argument("--ranks-per-node", type=int, default=2, help="L of the two-level variant (dividing --ranks)")
+    co.add_argument("--oracle", choices=["batched", "per-rank"], default="batched",
+                    help="batched: the P ranks' gradients in one vmap'd call and the stacked exchange (fast at "
+                         "large P); per-rank: one backward pass per rank and the exchange call by call")
     co.add_argument("--eval-every", type=int, default=0,
                     help="validation loss every k steps, and the steps each variant needs to reach Adam's loss "
                          "at 2/3 of the steps (0: the final loss only)")

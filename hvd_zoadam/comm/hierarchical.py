@@ -28,8 +28,26 @@ import torch
 
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import node_shards, padded_numel, segment_offsets, shard_segments
-from hvd_zoadam.comm.protocol import Exchange, _align4, check_layout, step_mismatch
+from hvd_zoadam.comm.protocol import Exchange, _align4, check_layout, exchange_bytes, step_mismatch
 from hvd_zoadam.comm.transport import Transport
+
+
+def intra_node_bytes(width: int) -> tuple[int, int]:
+    """Sizes in bytes of step 1's message to each local rank, ``4 + 4m``, and of step 3's
+    allgather message, ``12 + 4m`` word-aligned, for shards of m = ``width`` elements."""
+    return 4 + 4 * width, _align4(12 + 4 * width)
+
+
+def hierarchical_exchange_bytes(numels, world_size: int, ranks_per_node: int) -> list[tuple[int, int]]:
+    """Per local rank l, the bytes one rank sends in one two-level exchange of a bucket of
+    segments ``numels``: ``(inside the node, between nodes)``, (L − 1) times both messages of
+    :func:`intra_node_bytes` and the flat :func:`~hvd_zoadam.comm.protocol.exchange_bytes` of
+    shard l at world size N = P/L. What the transport's counters add. Pure integer arithmetic."""
+    offsets = segment_offsets(numels)
+    local, nodes = ranks_per_node, world_size // ranks_per_node
+    shards = node_shards(offsets[-1], local)
+    inside = (local - 1) * sum(intra_node_bytes(shards[0][1] - shards[0][0]))
+    return [(inside, exchange_bytes(shard_segments(offsets, lo, hi), nodes) if hi > lo else 0) for lo, hi in shards]
 
 
 class HierarchicalExchange:
@@ -71,8 +89,7 @@ class HierarchicalExchange:
         self._alone = None  # N = 1: the node average itself (no 1-bit exchange, no error feedback)
         if self.inner is not None and self.nodes == 1:
             self._alone = torch.zeros(padded_numel(self.hi - self.lo, 1), device=device)
-        self._m1 = 4 + 4 * self.width
-        self._m3 = _align4(12 + 4 * self.width)
+        self._m1, self._m3 = intra_node_bytes(self.width)
         self._send = torch.zeros(self.local_size, self._m1, dtype=torch.uint8, device=device)
         self._msg = torch.zeros(self._m3, dtype=torch.uint8, device=device)
         self._result = torch.zeros(self.padded_numel, device=device)

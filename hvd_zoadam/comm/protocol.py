@@ -121,6 +121,26 @@ def _align4(nbytes: int) -> int:
     return -(-nbytes // 4) * 4
 
 
+def message_bytes(max_pieces: int, chunk_numel: int) -> tuple[int, int]:
+    """Sizes in bytes of the two messages of :class:`Exchange` (word-aligned): one alltoall
+    message to each rank, ``4S + 4 + C/8``, and one allgather message, ``12 + 4S + C/8``,
+    with S = ``max_pieces`` scale slots and C = ``chunk_numel``."""
+    nbytes = chunk_numel // 8
+    return _align4(4 * max_pieces + 4 + nbytes), _align4(12 + 4 * max_pieces + nbytes)
+
+
+def exchange_bytes(numels, world_size: int) -> int:
+    """Bytes one rank sends in one compressed exchange of a bucket of segments ``numels`` at
+    world size P: (P − 1) times both messages of :func:`message_bytes`, what the transport's
+    counter adds (0 at P = 1). Pure integer arithmetic."""
+    if world_size == 1:
+        return 0
+    offsets = segment_offsets(numels)
+    chunk = padded_numel(offsets[-1], world_size) // world_size
+    alltoall, allgather = message_bytes(max(chunk_pieces(offsets, chunk, world_size)[1]), chunk)
+    return (world_size - 1) * (alltoall + allgather)
+
+
 class Exchange:
     """Plan, error buffers and scratch of one bucket's compressed exchange on one rank.
 
@@ -188,8 +208,7 @@ class Exchange:
         self._idx = torch.tensor([[lo + j if j < c else self.nseg for j in range(s)] for lo, c in zip(los, counts)],
                                  dtype=torch.long, device=device).reshape(p, s)
         nbytes = self.chunk_numel // 8
-        self._m1 = _align4(4 * s + 4 + nbytes)       # alltoall bytes per destination
-        self._m3 = _align4(12 + 4 * s + nbytes)      # allgather bytes per rank
+        self._m1, self._m3 = message_bytes(s, self.chunk_numel)  # alltoall bytes per destination, allgather's
         self._send = torch.zeros(p, self._m1, dtype=torch.uint8, device=device)
         self._server_msg = torch.zeros(self._m3, dtype=torch.uint8, device=device)
         self._worker_scales = torch.zeros(p, self.nseg, dtype=torch.float32, device=device)   # this chunk's columns

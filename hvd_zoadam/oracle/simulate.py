@@ -14,6 +14,7 @@ import torch
 
 from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
 from hvd_zoadam.native import reference
+from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked
 from hvd_zoadam.core.schedule import Schedule, StepKind
 
 
@@ -107,19 +108,28 @@ def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_
     return out
 
 
-def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
+def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
                     precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
-                    ranks_per_node=None):
+                    ranks_per_node=None, batched_grad_fn=None, stacked=True):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
+    The P workers' x and m are rows of float32[P, n] tensors, so every update is one
+    elementwise operation over all ranks (bitwise what P separate updates give).
     ``precondition`` and ``auto_mask`` mirror the optimizer's ``precondition_compression``
     and ``auto_exp_avg_mask``; with both False this is the paper's algorithm to the letter.
 
     Args:
         params: list of float32 tensors, the common initial x.
-        grad_fn: ``grad_fn(step, rank, xs) -> list of tensors``, rank r's gradient at x = xs.
+        grad_fn: ``grad_fn(step, rank, xs) -> list of tensors``, rank r's gradient at x = xs
+            (views of rank r's row, shaped as ``params``; read only).
+        batched_grad_fn: instead of ``grad_fn``, ``batched_grad_fn(step, x) -> float32[P, n]``,
+            every rank's flat gradient (bucket order) at x = float32[P, n] (read only).
+        stacked: the exchange of :mod:`hvd_zoadam.oracle.stacked` (vectorised over ranks and
+            segments; for large P); False: the per-rank one of this module, built on
+            :mod:`hvd_zoadam.native.reference` call by call. The two differ at most in the
+            last float64 bit of a scale's sum of squares.
         lr_fn: ``lr_fn(step) -> float``.
         weight_decay: λ, a float, or (decoupled only) a float32[n] tensor of per-element λ in
             bucket order (e.g. 0 for biases and norms, as param groups do).
@@ -139,31 +149,30 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
 
     Returns:
         (xs, kinds): per rank the final list of parameter tensors, and the list of step kinds.
+
+    Raises:
+        TypeError: if neither or both of ``grad_fn`` and ``batched_grad_fn`` are given.
     """
+    if (grad_fn is None) == (batched_grad_fn is None):
+        raise TypeError("simulate_zoadam takes exactly one of grad_fn and batched_grad_fn")
     beta1, beta2 = betas
     numels = [p.numel() for p in params]
     segments = scale_segments(numels, scale_block_numel)
     n = sum(numels)
-    big_n = padded_numel(n, world_size)
-    chunk = big_n // world_size
-    xs = [torch.cat([p.reshape(-1).float() for p in params]) for _ in range(world_size)]
-    m = [torch.zeros(n) for _ in range(world_size)]
+    x = torch.cat([p.reshape(-1).float() for p in params]).expand(world_size, n).clone()
+    m = torch.zeros(world_size, n)
     v = torch.zeros(n)
     anchor = torch.zeros(n)
-    we = [torch.zeros(big_n) for _ in range(world_size)]
-    se = [torch.zeros(chunk) for _ in range(world_size)]
-    if ranks_per_node is not None:
-        nodes, shards = world_size // ranks_per_node, node_shards(n, ranks_per_node)
-        we = [torch.zeros(padded_numel(hi - lo, nodes)) for lo, hi in (shards[r % ranks_per_node]
-                                                                      for r in range(world_size))]
-        se = [torch.zeros(w.numel() // nodes) for w in we]
+    errors = _ErrorBuffers(n, world_size, ranks_per_node)
     k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
 
     def flat_grads(t):
-        out = []
+        if batched_grad_fn is not None:
+            return batched_grad_fn(t, x).float()
+        out = torch.empty(world_size, n)
         for r in range(world_size):
-            views = [x.view_as(p) for x, p in zip(xs[r].split(numels), params)]
-            out.append(torch.cat([g.reshape(-1).float() for g in grad_fn(t, r, views)]))
+            views = [c.view_as(p) for c, p in zip(x[r].split(numels), params)]
+            out[r] = torch.cat([g.reshape(-1).float() for g in grad_fn(t, r, views)])
         return out
 
     def adam_denom(k_):
@@ -178,42 +187,24 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
 
     def exchange(inputs, phase, t):
         if phase in exact:
-            out = sum(inputs[1:], inputs[0].clone()) / world_size
-        elif ranks_per_node is not None:
-            out = simulate_hierarchical_allreduce(inputs, we, se, ranks_per_node, segments)
+            out = _row_sum(inputs) / world_size
         else:
-            out = simulate_compressed_allreduce(inputs, we, se, segments, server_exact=server_exact)
+            out = errors.allreduce(inputs, segments, server_exact, stacked)
         if trace is not None:
-            trace.append({"step": t, "kind": phase, "worker_error": float(sum(e.norm() for e in we)) / world_size,
-                          "server_error": float(sum(e.norm() for e in se)) / world_size,
-                          "result": float(out.norm())})
+            trace.append({"step": t, "kind": phase, **errors.norms(), "result": float(out.norm())})
         return out
 
     has_decay = bool(torch.as_tensor(weight_decay).ne(0).any())
 
-    def mask_errors(mask):
-        for r in range(world_size):
-            if ranks_per_node is not None:  # rank r's buffers are those of its shard's exchange
-                s_lo, s_hi = shards[r % ranks_per_node]
-                own, node, width = mask[s_lo:s_hi], r // ranks_per_node, se[r].numel()
-                we[r][:s_hi - s_lo].mul_(own)
-                lo, hi = node * width, min(s_hi - s_lo, (node + 1) * width)
-            else:
-                own = mask
-                we[r][:n].mul_(mask)
-                lo, hi = r * chunk, min(n, (r + 1) * chunk)
-            if hi > lo:
-                se[r][:hi - lo].mul_(own[lo:hi])
-
-    def momentum(r, grad, denom, lr, bc1, mask):
+    def momentum(x_, m_, grad, denom, lr, bc1, mask):  # all ranks' rows, or one rank's
         if decoupled and has_decay:
-            xs[r].mul_(1 - lr * weight_decay)
+            x_.mul_(1 - lr * weight_decay)
         if not decoupled and weight_decay:
-            grad = grad.add(xs[r], alpha=weight_decay)
-        m[r].lerp_(grad, 1 - beta1)
+            grad = grad.add(x_, alpha=weight_decay)
+        m_.lerp_(grad, 1 - beta1)
         if mask is not None:
-            m[r].mul_(mask)
-        xs[r].addcdiv_(m[r], denom, value=-lr / bc1)
+            m_.mul_(mask)
+        x_.addcdiv_(m_, denom, value=-lr / bc1)
 
     for t in range(1, steps + 1):
         lr = lr_fn(t)
@@ -222,67 +213,121 @@ def simulate_zoadam(params, grad_fn, *, world_size, steps, schedule: Schedule, l
         bc1 = 1 - beta1 ** t if bias_correction else 1.0
         if kind in (StepKind.LOCAL, StepKind.SYNC) and t == schedule.var_freeze_step + 1:
             freeze_lr = lr
-            for e in we + se:
-                e.zero_()
-            anchor = xs[0].clone()
+            errors.zero_()
+            anchor = x[0].clone()
         g = flat_grads(t)
         mask = (v != 0) if auto_mask else None
         if kind is StepKind.VARIANCE:
             k += 1
-            avg = sum(g[1:], g[0].clone()) / world_size
-            for r in range(world_size):
-                if decoupled and has_decay:
-                    xs[r].mul_(1 - lr * weight_decay)
-                gr = avg.add(xs[r], alpha=weight_decay) if (not decoupled and weight_decay) else avg
-                m[r].lerp_(gr, 1 - beta1)
-                if r == 0:
-                    v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
-            denom = adam_denom(k)
-            for r in range(world_size):
-                xs[r].addcdiv_(m[r], denom, value=-lr / bc1)
+            avg = _row_sum(g) / world_size
+            if decoupled and has_decay:
+                x.mul_(1 - lr * weight_decay)
+            gr = avg.add(x, alpha=weight_decay) if (not decoupled and weight_decay) else avg.expand(world_size, n)
+            m.lerp_(gr, 1 - beta1)
+            v.mul_(beta2).addcmul_(gr[0], gr[0], value=1 - beta2)
+            x.addcdiv_(m, adam_denom(k), value=-lr / bc1)
             continue
         denom = adam_denom(k)
         if kind is StepKind.COMPRESSED:
             if world_size > 1:
                 if precondition:
                     c = bound(k)
-                    g = [(gr / denom).clamp(-c, c) for gr in g]
+                    g = (g / denom).clamp(-c, c)
                 out = exchange(g, "compressed", t)
                 if precondition:
                     out = out * denom
                 if mask is not None:
                     out = out * mask
-                    mask_errors(mask)
-                g = [out] * world_size
-            for r in range(world_size):
-                momentum(r, g[r], denom, lr, bc1, mask)
+                    errors.mask_(mask)
+                g = out.expand(world_size, n)
+            momentum(x, m, g, denom, lr, bc1, mask)
             continue
-        for r in range(world_size):  # LOCAL, and the local part of SYNC
-            if torch.isfinite(g[r]).all():
-                gr = g[r]
-                if precondition:
-                    b = denom * bound(k)
-                    gr = torch.maximum(torch.minimum(gr, b), -b)
-                momentum(r, gr, denom, lr, bc1, mask)
+        finite = torch.isfinite(g).all(dim=1)  # LOCAL, and the local part of SYNC
+        if precondition:
+            b = denom * bound(k)
+            g = torch.maximum(torch.minimum(g, b), -b)
+        if bool(finite.all()):
+            momentum(x, m, g, denom, lr, bc1, mask)
+        else:  # a rank whose gradient is not finite skips its local step
+            for r in finite.nonzero().flatten().tolist():
+                momentum(x[r], m[r], g[r], denom, lr, bc1, mask)
         lr_sum += lr
         if decoupled and has_decay:
             decay = decay * (1 - lr * weight_decay)
         if kind is StepKind.SYNC and lr_sum > 0:
             if decoupled and has_decay:
                 anchor.mul_(decay)
-            u = [anchor - x if precondition else (anchor - x) * denom for x in xs]
+            u = anchor - x if precondition else (anchor - x) * denom
             w = exchange(u, "sync", t)
             if mask is not None:
                 w = w * mask
-            for r in range(world_size):
-                xs[r], m[r] = torch.empty(n), torch.empty(n)
-                reference.sync_rebuild(w, anchor.clone(), xs[r], m[r], denom, bc1 / lr_sum,
-                                       preconditioned=precondition)
+            x0, m0 = torch.empty(n), torch.empty(n)
+            reference.sync_rebuild(w, anchor.clone(), x0, m0, denom, bc1 / lr_sum, preconditioned=precondition)
+            x.copy_(x0.expand(world_size, n))
+            m.copy_(m0.expand(world_size, n))
             if mask is not None:
-                mask_errors(mask)
-            anchor = xs[0].clone()
+                errors.mask_(mask)
+            anchor = x0.clone()
             lr_sum, decay = 0.0, 1.0
-    return [[x.view_as(p).clone() for x, p in zip(xr.split(numels), params)] for xr in xs], kinds
+    return [[c.view_as(p).clone() for c, p in zip(xr.split(numels), params)] for xr in x], kinds
+
+
+def _row_sum(stack: torch.Tensor) -> torch.Tensor:
+    """Σ_r stack[r], added in rank order (float32), as the per-rank sums of this module."""
+    total = stack[0].clone()
+    for row in stack[1:]:
+        total += row
+    return total
+
+
+class _ErrorBuffers:
+    """The P ranks' worker and server errors of one bucket, flat or two-level: per local rank
+    l (one, for the flat exchange) the N·… stacks of :mod:`hvd_zoadam.oracle.stacked`, with
+    rank r = a·L + l in row a of stack l."""
+
+    def __init__(self, n: int, world_size: int, ranks_per_node=None):
+        self.n, self.world_size = n, world_size
+        self.local = ranks_per_node or 1
+        self.nodes = world_size // self.local
+        self.shards = node_shards(n, self.local) if ranks_per_node is not None else [(0, n)]
+        self.hierarchical = ranks_per_node is not None
+        self.worker = [torch.zeros(self.nodes, padded_numel(hi - lo, self.nodes)) for lo, hi in self.shards]
+        self.server = [torch.zeros(self.nodes, w.shape[1] // self.nodes) for w in self.worker]
+
+    def rank_lists(self):
+        """Rank r's worker and server error (views), r = 0 … P − 1."""
+        ranks = [(r % self.local, r // self.local) for r in range(self.world_size)]
+        return [self.worker[l][a] for l, a in ranks], [self.server[l][a] for l, a in ranks]
+
+    def allreduce(self, inputs, segments, server_exact: bool, stacked: bool):
+        """C(.) (or C_2) of float32[P, n] over the P ranks, these buffers updated."""
+        if self.hierarchical:
+            if stacked:
+                return hierarchical_allreduce_stacked(inputs, self.worker, self.server, self.local, segments)
+            we, se = self.rank_lists()
+            return simulate_hierarchical_allreduce(list(inputs), we, se, self.local, segments)
+        if stacked:
+            return compressed_allreduce_stacked(inputs, self.worker[0], self.server[0], segments,
+                                                server_exact=server_exact)
+        we, se = self.rank_lists()
+        return simulate_compressed_allreduce(list(inputs), we, se, segments, server_exact=server_exact)
+
+    def zero_(self):
+        for e in self.worker + self.server:
+            e.zero_()
+
+    def mask_(self, mask):
+        """Zero both errors where ``mask`` (bool[n]) is False, each rank over its shard."""
+        for (lo, hi), we, se in zip(self.shards, self.worker, self.server):
+            own = mask[lo:hi]
+            we[:, :hi - lo].mul_(own)
+            se.view(-1)[:hi - lo].mul_(own)
+
+    def norms(self) -> dict:
+        """The mean over ranks of each error's norm."""
+        we, se = self.rank_lists()
+        return {"worker_error": float(sum(e.norm() for e in we)) / self.world_size,
+                "server_error": float(sum(e.norm() for e in se)) / self.world_size}
 
 
 def simulate_onebit(params, exp_avg, exp_avg_sq, grad_fn, *, world_size, first_step, steps, exp_avg_sq_steps,
