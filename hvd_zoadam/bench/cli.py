@@ -19,6 +19,8 @@
   hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)``.
 * ``convergence``: 0/1 Adam's validation loss at P simulated workers with one factor
   switched off at a time, against AdamW (:mod:`hvd_zoadam.bench.convergence`).
+* ``scaling``: Adam against 0/1 Adam, flat and two-level, at P = 2 … 128 simulated workers:
+  validation losses, gaps and each rank's bytes by the transport's formulas.
 * ``resume``: what a resume at another world size, or from rank 0's file alone, keeps of
   the error feedback (:mod:`hvd_zoadam.bench.resume`).
 * ``model``: an alpha-beta model of step time; validated against a ``network`` JSON
@@ -692,6 +694,9 @@ def main(argv=None) -> int:
     elif args.cmd == "convergence":
         from hvd_zoadam.bench.lm import _train_lm
         report = _bench_convergence.run(args, _train_lm())
+    elif args.cmd == "scaling":
+        from hvd_zoadam.bench.lm import _train_lm
+        report = _bench_convergence.run_scaling(args, _train_lm())
     elif args.cmd == "resume":
         from hvd_zoadam.bench.lm import _train_lm
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)

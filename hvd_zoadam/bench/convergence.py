@@ -20,9 +20,12 @@ the steps. Bytes are not simulated: the real job's ``comm_stats()`` counts them 
 """
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -302,28 +305,58 @@ def _summarise(trace: list, window: int = 100) -> dict:
     return out
 
 
+def _add_knobs(parser) -> None:
+    """The model, 0/1 Adam and oracle arguments shared by ``convergence`` and ``scaling``."""
+    parser.add_argument("--steps", type=int, default=400)
+    add_model_arguments(parser)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--beta2", type=float, default=0.98)
+    parser.add_argument("--var-freeze-step", type=int, default=None)
+    parser.add_argument("--var-update-scaler", type=int, default=8)
+    parser.add_argument("--local-step-scaler", type=int, default=40)
+    parser.add_argument("--local-step-clipper", type=int, default=8)
+    parser.add_argument("--local-step-policy", default="lr")
+    parser.add_argument("--scale-block-numel", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--oracle", choices=["batched", "per-rank"], default="batched",
+                        help="batched: the P ranks' gradients in one vmap'd call and the stacked exchange (fast at "
+                             "large P); per-rank: one backward pass per rank and the exchange call by call")
+    parser.add_argument("--json")
+
+
 def add_parser(sub) -> None:
     co = sub.add_parser("convergence", help="0/1 Adam's validation loss at P simulated workers, one factor "
                                             "switched off at a time, against AdamW on the exact average")
     co.add_argument("--ranks", type=int, default=8)
-    co.add_argument("--steps", type=int, default=400)
     co.add_argument("--variants", default="zoadam,exact-compressed,exact-sync,server-exact,no-clip,paper-domain",
                     help="comma-separated, from: " + ",".join(VARIANTS) + " (adam always runs)")
-    add_model_arguments(co)
-    co.add_argument("--weight-decay", type=float, default=0.01)
-    co.add_argument("--beta2", type=float, default=0.98)
-    co.add_argument("--var-freeze-step", type=int, default=None)
-    co.add_argument("--var-update-scaler", type=int, default=8)
-    co.add_argument("--local-step-scaler", type=int, default=40)
-    co.add_argument("--local-step-clipper", type=int, default=8)
-    co.add_argument("--local-step-policy", default="lr")
-    co.add_argument("--scale-block-numel", type=int, default=256)
-    co.add_argument("--threads", type=int, default=2)
     co.add_argument("--ranks-per-node", type=int, default=2, help="L of the two-level variant (dividing --ranks)")
-    co.add_argument("--oracle", choices=["batched", "per-rank"], default="batched",
-                    help="batched: the P ranks' gradients in one vmap'd call and the stacked exchange (fast at "
-                         "large P); per-rank: one backward pass per rank and the exchange call by call")
     co.add_argument("--eval-every", type=int, default=0,
                     help="validation loss every k steps, and the steps each variant needs to reach Adam's loss "
                          "at 2/3 of the steps (0: the final loss only)")
-    co.add_argument("--json")
+    _add_knobs(co)
+    sc = sub.add_parser("scaling", help="Adam against 0/1 Adam, flat and two-level, at several world sizes: "
+                                        "validation loss, gap and bytes per rank")
+    sc.add_argument("--ranks", default="2,4,8,16,32,64,128", help="comma-separated world sizes")
+    sc.add_argument("--ranks-per-node", type=int, default=8,
+                    help="L of the two-level rows (run where L divides P and P/L >= 2)")
+    _add_knobs(sc)
+
+
+SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "between_nodes_per_rank", "rounds", "wall_s")
+
+
+def run_scaling(args, train_lm) -> dict:
+    """``bench scaling``: :func:`run` at each P of ``--ranks`` with the variants ``zoadam`` and,
+    where nodes of L = ``--ranks-per-node`` make at least two, ``two-level``; per P the
+    rows' losses, gaps to Adam and bytes. With ``--json`` the file is rewritten after each P."""
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "rows": {}}
+    for p in [int(r) for r in args.ranks.split(",")]:
+        local = args.ranks_per_node
+        one = argparse.Namespace(**{**vars(args), "ranks": p, "eval_every": 0,
+                                    "variants": "zoadam" + (",two-level" if p % local == 0 and p // local >= 2 else "")})
+        variants = run(one, train_lm)["variants"]
+        report["rows"][str(p)] = {name: {k: row[k] for k in SCALING_KEYS if k in row} for name, row in variants.items()}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
