@@ -1,0 +1,196 @@
+"""The stacked oracle (``hvd_zoadam.oracle.stacked``, what ``simulate_zoadam`` uses by default)
+against the per-rank oracle built call by call on ``native.reference``, and the convergence
+bench's batched gradients (one vmap'd call for P ranks) against one backward pass per rank.
+
+The stacked exchange takes each scale's float64 sum of squares in another order, so it may
+differ from the per-rank one in the last bit of a sum: on the fixed cases below it is bitwise
+equal; the drawn cases allow a float32 rounding of difference."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments
+from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.oracle.simulate import (simulate_compressed_allreduce, simulate_hierarchical_allreduce,
+                                        simulate_zoadam)
+from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _buffers(n, world_size, local, gen, noise=0.1):
+    """Stacked worker and server errors (per local rank l) with random, correctly padded contents."""
+    local = local or 1
+    nodes = world_size // local
+    shards = node_shards(n, local) if local > 1 else [(0, n)]
+    worker, server = [], []
+    for lo, hi in shards:
+        big = padded_numel(hi - lo, nodes)
+        w = torch.randn(nodes, big, generator=gen) * noise
+        w[:, hi - lo:] = 0
+        s = torch.randn(nodes, big // nodes, generator=gen) * noise
+        s.view(-1)[hi - lo:] = 0
+        worker.append(w)
+        server.append(s)
+    return worker, server
+
+
+def _per_rank(stacks, world_size, local):
+    local = local or 1
+    return [stacks[r % local][r // local].clone() for r in range(world_size)]
+
+
+def _exchange_both(y, numels, worker, server, local):
+    """One exchange through each oracle from the same buffers: (stacked result, per-rank result),
+    both sides' buffers updated in their own copies; returns the copies too."""
+    p = y.shape[0]
+    we, se = _per_rank(worker, p, local), _per_rank(server, p, local)
+    if local:
+        a = hierarchical_allreduce_stacked(y, worker, server, local, numels)
+        b = simulate_hierarchical_allreduce(list(y), we, se, local, numels)
+    else:
+        a = compressed_allreduce_stacked(y, worker[0], server[0], numels)
+        b = simulate_compressed_allreduce(list(y), we, se, numels)
+    return a, b, we, se
+
+
+@pytest.mark.parametrize("p, local", [(2, None), (3, None), (5, None), (8, None), (16, None), (4, 2), (8, 4), (6, 3)])
+def test_the_stacked_exchange_is_bitwise_the_per_rank_exchange(p, local):
+    """Four tensors in blocks of 256 (segments cut by chunks and shards), errors carried over
+    three exchanges from random buffers: results and both errors bit for bit; a NaN on one rank
+    gives None on both and leaves every buffer as it was."""
+    gen = torch.Generator().manual_seed(p * 10 + (local or 0))
+    numels = scale_segments([5000, 37, 3000, 1], 256)
+    n = sum(numels)
+    worker, server = _buffers(n, p, local, gen)
+    for _ in range(3):
+        y = torch.randn(p, n, generator=gen) * torch.rand(p, 1, generator=gen) * 3
+        a, b, we, se = _exchange_both(y, numels, worker, server, local)
+        assert torch.equal(a, b)
+        assert all(torch.equal(x, y_) for x, y_ in zip(_per_rank(worker, p, local), we))
+        assert all(torch.equal(x, y_) for x, y_ in zip(_per_rank(server, p, local), se))
+    y[p - 1, n // 2] = math.nan
+    before = [t.clone() for t in worker + server]
+    a, b, _, _ = _exchange_both(y, numels, worker, server, local)
+    assert a is None and b is None
+    assert all(torch.equal(x, y_) for x, y_ in zip(worker + server, before))
+
+
+@st.composite
+def _exchange_cases(draw):
+    p = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    local = draw(st.sampled_from([None] + [l for l in (2, 3, 4) if p % l == 0 and p > l]))
+    tensors = draw(st.lists(st.integers(1, 400), min_size=1, max_size=4))
+    block = draw(st.sampled_from([None, 16, 37, 256]))
+    magnitude = draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e18]))
+    return p, local, scale_segments(tensors, block), magnitude, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_exchange_cases())
+def test_drawn_layouts_give_the_per_rank_exchange_to_a_rounding(case):
+    """World sizes, nodes, tensor sizes, blocks and magnitudes drawn: two exchanges in a row
+    agree with the per-rank oracle to float32 rounding (the scales' sums may differ in the last
+    float64 bit), relative to the inputs' magnitude."""
+    p, local, numels, magnitude, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(numels)
+    worker, server = _buffers(n, p, local, gen, noise=0.1 * magnitude)
+    for _ in range(2):
+        y = torch.randn(p, n, generator=gen) * magnitude
+        a, b, we, se = _exchange_both(y, numels, worker, server, local)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * magnitude)
+        for x, y_ in zip(_per_rank(worker, p, local) + _per_rank(server, p, local), we + se):
+            torch.testing.assert_close(x, y_, rtol=1e-5, atol=1e-5 * magnitude)
+
+
+def _quadratic_case(world_size, steps=30):
+    """Three tensors, rank r's gradient that of ½|x − c_r|² plus noise from (step, rank)."""
+    torch.manual_seed(7)
+    params = [torch.randn(300), torch.randn(20, 11), torch.randn(5)]
+    centres = [[torch.randn_like(p) for p in params] for _ in range(world_size)]
+
+    def grad_fn(step, rank, xs):
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        return [x - c + 0.3 * torch.randn(x.shape, generator=g) for x, c in zip(xs, centres[rank])]
+    schedule = Schedule(var_freeze_step=8, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+    kw = dict(world_size=world_size, steps=steps, schedule=schedule, lr_fn=lambda t: 0.01 * min(1.0, t / 5),
+              betas=(0.9, 0.98), weight_decay=0.01, scale_block_numel=64)
+    return params, grad_fn, kw
+
+
+@pytest.mark.parametrize("p, options", [(2, {}), (5, {}), (8, {"ranks_per_node": 4}), (4, {"precondition": False,
+                                        "auto_mask": False}), (3, {"server_exact": True}), (4, {"exact": ("sync",)}),
+                                        (3, {"decoupled": True})])
+def test_simulate_zoadam_stacked_is_bitwise_the_per_rank_oracle(p, options):
+    """30 steps through every kind: the final x of every rank bit for bit, and the kinds."""
+    params, grad_fn, kw = _quadratic_case(p)
+    a, kinds_a = simulate_zoadam(params, grad_fn, stacked=True, **kw, **options)
+    b, kinds_b = simulate_zoadam(params, grad_fn, stacked=False, **kw, **options)
+    assert kinds_a == kinds_b and len(set(kinds_a)) == 4
+    for ra, rb in zip(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+
+
+def test_a_batched_gradient_function_gives_what_the_per_rank_one_gives():
+    """``batched_grad_fn`` (float32[P, n] in, float32[P, n] out) and ``grad_fn`` of the same
+    gradients give the same run, bit for bit; giving both, or neither, is a TypeError."""
+    params, grad_fn, kw = _quadratic_case(4)
+    numels = [p.numel() for p in params]
+
+    def batched(step, xs):
+        rows = []
+        for r in range(xs.shape[0]):
+            views = [c.view_as(p) for c, p in zip(xs[r].split(numels), params)]
+            rows.append(torch.cat([g.reshape(-1) for g in grad_fn(step, r, views)]))
+        return torch.stack(rows)
+    a, _ = simulate_zoadam(params, batched_grad_fn=batched, **kw)
+    b, _ = simulate_zoadam(params, grad_fn, **kw)
+    assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    with pytest.raises(TypeError, match="exactly one of grad_fn and batched_grad_fn"):
+        simulate_zoadam(params, grad_fn, batched_grad_fn=batched, **kw)
+    with pytest.raises(TypeError, match="exactly one of grad_fn and batched_grad_fn"):
+        simulate_zoadam(params, **kw)
+
+
+def _train_lm():
+    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank():
+    """The char LM at P = 3 ranks with different parameters: the vmap'd gradients and validation
+    losses equal the per-rank backward and forward passes to float32 rounding, and each rank
+    draws its own batches."""
+    from hvd_zoadam.bench import convergence
+    lm = _train_lm()
+    args = argparse.Namespace(ranks=3, seed=5, n_layer=1, n_embd=16, n_head=4, block_size=16, batch_size=4,
+                              eval_batches=2, eval_every=0)
+    model, train_data, val_data = convergence._lm(lm, args)
+    names = [n for n, _ in model.named_parameters()]
+    base = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    xs = base + 0.05 * torch.randn(3, base.numel(), generator=torch.Generator().manual_seed(1))
+    numels = [p.numel() for p in model.parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    per_rank = convergence._grad_fn(model, names, train_data, args, lm)
+    batched = convergence._batched_grad_fn(model, names, train_data, args, lm)
+    for step in (1, 2):
+        want = torch.stack([torch.cat([g.reshape(-1) for g in per_rank(
+            step, r, [c.view(s) for c, s in zip(xs[r].split(numels), shapes)])]) for r in range(3)])
+        got = batched(step, xs)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(got[0], got[1])
+    losses = convergence._val_losses(model, names, xs, val_data, args, lm)
+    want = [convergence._val_loss(model, names, [[c.view(s) for c, s in zip(xs[r].split(numels), shapes)]],
+                                  val_data, args, lm) for r in range(3)]
+    assert losses == pytest.approx(want, rel=1e-5)
