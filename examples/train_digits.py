@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import horovod.torch as hvd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--summary")
     args = ap.parse_args(argv)
+    import horovod.torch as hvd  # here, so that load() and make_model() import without Horovod
     hvd.init()
     torch.set_num_threads(1)
     (xtr, ytr), (xte, yte) = load(args.seed)

@@ -161,36 +161,37 @@ def test_a_batched_gradient_function_gives_what_the_per_rank_one_gives():
         simulate_zoadam(params, **kw)
 
 
-def _train_lm():
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank():
-    """The char LM at P = 3 ranks with different parameters: the vmap'd gradients and validation
-    losses equal the per-rank backward and forward passes to float32 rounding, and each rank
-    draws its own batches."""
+@pytest.mark.parametrize("workload", ["lm", "digits"])
+def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank(workload):
+    """The char LM and the digits CNN at P = 3 ranks with different parameters: the vmap'd
+    gradients and validation losses equal the per-rank backward and forward passes to float32
+    rounding, and each rank draws its own batches."""
     from hvd_zoadam.bench import convergence
-    lm = _train_lm()
     args = argparse.Namespace(ranks=3, seed=5, n_layer=1, n_embd=16, n_head=4, block_size=16, batch_size=4,
-                              eval_batches=2, eval_every=0)
-    model, train_data, val_data = convergence._lm(lm, args)
-    names = [n for n, _ in model.named_parameters()]
-    base = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                              eval_batches=2, eval_every=0, warmup=2, steps=10, lr=1e-3)
+    work = (convergence.lm_workload(_example("train_lm"), args) if workload == "lm"
+            else convergence.digits_workload(_example("train_digits"), args))
+    names = [n for n, _ in work.model.named_parameters()]
+    base = torch.cat([p.detach().reshape(-1) for p in work.model.parameters()])
     xs = base + 0.05 * torch.randn(3, base.numel(), generator=torch.Generator().manual_seed(1))
-    numels = [p.numel() for p in model.parameters()]
-    shapes = [p.shape for p in model.parameters()]
-    per_rank = convergence._grad_fn(model, names, train_data, args, lm)
-    batched = convergence._batched_grad_fn(model, names, train_data, args, lm)
+    numels = [p.numel() for p in work.model.parameters()]
+    shapes = [p.shape for p in work.model.parameters()]
+    per_rank = convergence._grad_fn(work, names, args)
+    batched = convergence._batched_grad_fn(work, names, args)
     for step in (1, 2):
         want = torch.stack([torch.cat([g.reshape(-1) for g in per_rank(
             step, r, [c.view(s) for c, s in zip(xs[r].split(numels), shapes)])]) for r in range(3)])
         got = batched(step, xs)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
         assert not torch.allclose(got[0], got[1])
-    losses = convergence._val_losses(model, names, xs, val_data, args, lm)
-    want = [convergence._val_loss(model, names, [[c.view(s) for c, s in zip(xs[r].split(numels), shapes)]],
-                                  val_data, args, lm) for r in range(3)]
+    losses = convergence._val_losses(work, names, xs)
+    want = [convergence._val_loss(work, names, [[c.view(s) for c, s in zip(xs[r].split(numels), shapes)]])
+            for r in range(3)]
     assert losses == pytest.approx(want, rel=1e-5)

@@ -692,11 +692,11 @@ def main(argv=None) -> int:
     elif args.cmd == "kernels":
         report = cmd_kernels(args)
     elif args.cmd == "convergence":
-        from hvd_zoadam.bench.lm import _train_lm
-        report = _bench_convergence.run(args, _train_lm())
+        from hvd_zoadam.bench.lm import example_module
+        report = _bench_convergence.run(args, example_module)
     elif args.cmd == "scaling":
-        from hvd_zoadam.bench.lm import _train_lm
-        report = _bench_convergence.run_scaling(args, _train_lm())
+        from hvd_zoadam.bench.lm import example_module
+        report = _bench_convergence.run_scaling(args, example_module)
     elif args.cmd == "resume":
         from hvd_zoadam.bench.lm import _train_lm
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)

@@ -25,7 +25,9 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +58,21 @@ VARIANTS = {
 }
 
 
-def _lm(train_lm, args):
+@dataclass
+class Workload:
+    """What the bench trains: the model (its parameters the common initial x), how a rank draws
+    its next batch from its own generator, the loss of the model's output, the fixed validation
+    batches, and the learning rate of step t."""
+    model: torch.nn.Module
+    batch: Callable[[torch.Generator], tuple]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    val_batches: list
+    lr_fn: Callable[[int], float]
+
+
+def lm_workload(train_lm, args) -> Workload:
+    """The char LM of examples/train_lm.py: its corpus split 90/10, its batches and its warm-up
+    and cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345)."""
     text = train_lm.load_corpus()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
@@ -64,32 +80,52 @@ def _lm(train_lm, args):
     split = int(0.9 * len(data))
     torch.manual_seed(args.seed)
     model = train_lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
-    return model, data[:split], data[split:]
+    gen = torch.Generator().manual_seed(12345)
+    val = [train_lm.get_batch(data[split:], args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
+    lam = train_lm.lr_lambda(args.warmup, args.steps)
+    return Workload(model, lambda g: train_lm.get_batch(data[:split], args.batch_size, args.block_size, g),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), val,
+                    lambda t: args.lr * lam(t - 1))
 
 
-def _grad_fn(model, names, train_data, args, train_lm, curve=None, val_data=None):
+def digits_workload(train_digits, args) -> Workload:
+    """The CNN of examples/train_digits.py on scikit-learn's digits: each rank draws
+    ``args.batch_size`` images at random from the whole training split (80 %), the validation
+    loss is over the test split in one batch, and the learning rate is ``args.lr`` throughout
+    (as that example)."""
+    (xtr, ytr), val = train_digits.load(args.seed)
+    torch.manual_seed(args.seed)
+
+    def batch(g):
+        idx = torch.randint(len(ytr), (args.batch_size,), generator=g)
+        return xtr[idx], ytr[idx]
+    return Workload(train_digits.make_model(), batch, F.cross_entropy, [val], lambda t: args.lr)
+
+
+def _grad_fn(work: Workload, names, args, curve=None):
     """Rank r's gradient at its parameters, from its own batch stream (seed·1000 + r, as train_lm).
 
     ``curve`` (a dict, with ``args.eval_every`` k > 0): before the gradient of step t with
     t − 1 a multiple of k, rank r's validation loss is appended to ``curve[t − 1]``."""
     gens = [torch.Generator().manual_seed(args.seed * 1000 + r) for r in range(args.ranks)]
+    model = work.model
     params = dict(model.named_parameters())
     every = getattr(args, "eval_every", 0)
 
     def grad_fn(step, rank, xs):
         if curve is not None and every and step > 1 and (step - 1) % every == 0:
-            curve.setdefault(step - 1, []).append(_val_loss(model, names, [xs], val_data, args, train_lm))
+            curve.setdefault(step - 1, []).append(_val_loss(work, names, [xs]))
         with torch.no_grad():
             for name, x in zip(names, xs):
                 params[name].copy_(x)
         model.zero_grad(set_to_none=True)
-        x, y = train_lm.get_batch(train_data, args.batch_size, args.block_size, gens[rank])
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        x, y = work.batch(gens[rank])
+        work.loss(model(x), y).backward()
         return [params[name].grad.detach().clone() for name in names]
     return grad_fn
 
 
-def _batched_grad_fn(model, names, train_data, args, train_lm, curve=None, val_data=None):
+def _batched_grad_fn(work: Workload, names, args, curve=None):
     """Every rank's gradient in one call (``simulate_zoadam``'s ``batched_grad_fn``): torch.func's
     ``vmap`` over the ranks of ``grad`` of the loss at each rank's parameters
     (``functional_call``), each rank on the batch its own stream gives (as :func:`_grad_fn`).
@@ -97,19 +133,19 @@ def _batched_grad_fn(model, names, train_data, args, train_lm, curve=None, val_d
 
     ``curve``: as :func:`_grad_fn`, with the P validation losses from one batched pass."""
     gens = [torch.Generator().manual_seed(args.seed * 1000 + r) for r in range(args.ranks)]
-    shapes = [p.shape for p in model.parameters()]
+    shapes = [p.shape for p in work.model.parameters()]
     every = getattr(args, "eval_every", 0)
 
     def loss(params, x, y):
-        return F.cross_entropy(torch.func.functional_call(model, params, (x,)).flatten(0, 1), y.flatten())
+        return work.loss(torch.func.functional_call(work.model, params, (x,)), y)
     grads = torch.func.vmap(torch.func.grad(loss))
 
     def grad_fn(step, xs):
         if curve is not None and every and step > 1 and (step - 1) % every == 0:
             same = xs.stride(0) == 0  # one x for every rank (Adam's): evaluate it once
-            losses = _val_losses(model, names, xs[:1] if same else xs, val_data, args, train_lm)
+            losses = _val_losses(work, names, xs[:1] if same else xs)
             curve.setdefault(step - 1, []).extend(losses * (xs.shape[0] if same else 1))
-        batches = [train_lm.get_batch(train_data, args.batch_size, args.block_size, g) for g in gens]
+        batches = [work.batch(g) for g in gens]
         out = grads(_unflatten(names, shapes, xs), torch.stack([x for x, _ in batches]),
                     torch.stack([y for _, y in batches]))
         return torch.cat([out[name].reshape(xs.shape[0], -1) for name in names], dim=1)
@@ -124,39 +160,30 @@ def _unflatten(names, shapes, xs) -> dict:
 
 
 @torch.no_grad()
-def _val_losses(model, names, xs, val_data, args, train_lm) -> list:
-    """Each rank's validation loss on train_lm's fixed batches, the P ranks (rows of ``xs``,
+def _val_losses(work: Workload, names, xs) -> list:
+    """Each rank's validation loss on the fixed batches, the P ranks (rows of ``xs``,
     float32[P, n]) in one batched forward pass per batch."""
-    shapes = [p.shape for p in model.parameters()]
-    params = _unflatten(names, shapes, xs)
-    forward = torch.func.vmap(lambda ps, x, y: F.cross_entropy(
-        torch.func.functional_call(model, ps, (x,)).flatten(0, 1), y.flatten()), in_dims=(0, None, None))
-    gen = torch.Generator().manual_seed(12345)
-    batches = [train_lm.get_batch(val_data, args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
-    total = sum(forward(params, x, y).double() for x, y in batches)
-    return (total / len(batches)).tolist()
+    params = _unflatten(names, [p.shape for p in work.model.parameters()], xs)
+    forward = torch.func.vmap(lambda ps, x, y: work.loss(torch.func.functional_call(work.model, ps, (x,)), y),
+                              in_dims=(0, None, None))
+    total = sum(forward(params, x, y).double() for x, y in work.val_batches)
+    return (total / len(work.val_batches)).tolist()
 
 
-def _val_loss(model, names, ranks_params, val_data, args, train_lm) -> float:
-    """Mean over ranks of each rank's validation loss on train_lm's fixed batches."""
-    params = dict(model.named_parameters())
+def _val_loss(work: Workload, names, ranks_params) -> float:
+    """Mean over ranks of each rank's validation loss on the fixed batches."""
+    params = dict(work.model.named_parameters())
     losses = []
     for xs in ranks_params:
         with torch.no_grad():
             for name, x in zip(names, xs):
                 params[name].copy_(x)
-        losses.append(_evaluate(model, val_data, args, train_lm))
+            losses.append(sum(work.loss(work.model(x), y).item() for x, y in work.val_batches)
+                          / len(work.val_batches))
     return sum(losses) / len(losses)
 
 
-@torch.no_grad()
-def _evaluate(model, data, args, train_lm) -> float:
-    gen = torch.Generator().manual_seed(12345)
-    batches = [train_lm.get_batch(data, args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
-    return sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / len(batches)
-
-
-def _adam(model, names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
+def _adam(names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
     """AdamW on the exact average of the P gradients, every step; returns the final params.
     ``batched``: ``grad_fn`` is :func:`_batched_grad_fn`'s."""
     xs = [x.clone() for x in init]
@@ -178,20 +205,19 @@ def _adam(model, names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> 
     return xs
 
 
-def run(args, train_lm) -> dict:
-    """The convergence report (see the module docstring)."""
+def run(args, examples) -> dict:
+    """The convergence report (see the module docstring). ``examples``: a function of the
+    example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module."""
     torch.set_num_threads(args.threads)
     batched = args.oracle == "batched"
-    model, train_data, val_data = _lm(train_lm, args)
+    work = (lm_workload(examples("train_lm"), args) if args.workload == "lm"
+            else digits_workload(examples("train_digits"), args))
+    model, lr_fn = work.model, work.lr_fn
     names = [n for n, _ in model.named_parameters()]
     init = [p.detach().clone() for p in model.parameters()]
     decay_of = dict((n, p.dim() >= 2) for n, p in model.named_parameters()).get
     weight_decay = torch.cat([torch.full((p.numel(),), args.weight_decay if p.dim() >= 2 else 0.0)
                               for p in model.parameters()])
-    lam = train_lm.lr_lambda(args.warmup, args.steps)
-
-    def lr_fn(t):
-        return args.lr * lam(t - 1)
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "variants": {}}
     runs = args.variants.split(",")
     if "adam" not in runs:
@@ -199,19 +225,18 @@ def run(args, train_lm) -> dict:
     for name in runs:
         start = time.perf_counter()
         curve = {}
-        grad_fn = (_batched_grad_fn if batched else _grad_fn)(model, names, train_data, args, train_lm, curve,
-                                                               val_data)
+        grad_fn = (_batched_grad_fn if batched else _grad_fn)(work, names, args, curve)
         if name == "adam":
-            final = [_adam(model, names, init, grad_fn, lr_fn, decay_of, args, batched)]
+            final = [_adam(names, init, grad_fn, lr_fn, decay_of, args, batched)]
             trace, kinds = None, None
         else:
             final, trace, kinds = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched)
         if batched:
             xs = torch.stack([torch.cat([x.reshape(-1) for x in rank]) for rank in final])
-            losses = _val_losses(model, names, xs, val_data, args, train_lm)
+            losses = _val_losses(work, names, xs)
             loss = sum(losses) / len(losses)
         else:
-            loss = _val_loss(model, names, final, val_data, args, train_lm)
+            loss = _val_loss(work, names, final)
         row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1),
                **_bytes(name, kinds, [p.numel() for p in init], args)}
         if curve:
@@ -307,6 +332,11 @@ def _summarise(trace: list, window: int = 100) -> dict:
 
 def _add_knobs(parser) -> None:
     """The model, 0/1 Adam and oracle arguments shared by ``convergence`` and ``scaling``."""
+    parser.add_argument("--workload", choices=["lm", "digits"], default="lm",
+                        help="lm: the char LM of examples/train_lm.py; digits: the CNN of examples/train_digits.py "
+                             "(give it that example's settings: --beta2 0.999 --weight-decay 0 --batch-size 32 "
+                             "--steps 300 --var-freeze-step 50 --var-update-scaler 4 --local-step-scaler 50 "
+                             "--local-step-clipper 4 --local-step-policy steps)")
     parser.add_argument("--steps", type=int, default=400)
     add_model_arguments(parser)
     parser.add_argument("--weight-decay", type=float, default=0.01)
@@ -346,7 +376,7 @@ def add_parser(sub) -> None:
 SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "between_nodes_per_rank", "rounds", "wall_s")
 
 
-def run_scaling(args, train_lm) -> dict:
+def run_scaling(args, examples) -> dict:
     """``bench scaling``: :func:`run` at each P of ``--ranks`` with the variants ``zoadam`` and,
     where nodes of L = ``--ranks-per-node`` make at least two, ``two-level``; per P the
     rows' losses, gaps to Adam and bytes. With ``--json`` the file is rewritten after each P."""
@@ -355,7 +385,7 @@ def run_scaling(args, train_lm) -> dict:
         local = args.ranks_per_node
         one = argparse.Namespace(**{**vars(args), "ranks": p, "eval_every": 0,
                                     "variants": "zoadam" + (",two-level" if p % local == 0 and p // local >= 2 else "")})
-        variants = run(one, train_lm)["variants"]
+        variants = run(one, examples)["variants"]
         report["rows"][str(p)] = {name: {k: row[k] for k in SCALING_KEYS if k in row} for name, row in variants.items()}
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))

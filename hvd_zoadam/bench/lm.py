@@ -44,13 +44,18 @@ RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-l
 ZOADAM_RUNS = ("zoadam", "zoadam-torchrun")
 
 
-def _train_lm():
-    """examples/train_lm.py as a module (model, corpus, batches, lr schedule)."""
-    path = Path(os.environ.get("HVD_ZOADAM_ROOT", Path(__file__).resolve().parents[2])) / "examples" / "train_lm.py"
-    spec = importlib.util.spec_from_file_location("train_lm", path)
+def example_module(name: str):
+    """examples/{name}.py as a module (under ``$HVD_ZOADAM_ROOT`` when set, else this checkout)."""
+    path = Path(os.environ.get("HVD_ZOADAM_ROOT", Path(__file__).resolve().parents[2])) / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _train_lm():
+    """examples/train_lm.py as a module (model, corpus, batches, lr schedule)."""
+    return example_module("train_lm")
 
 
 def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: int = 60, warmup_help=None,
