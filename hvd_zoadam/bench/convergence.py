@@ -1,22 +1,31 @@
-"""``python -m hvd_zoadam.bench convergence``: 0/1 Adam's quality at P workers, taken apart.
+"""``python -m hvd_zoadam.bench convergence`` and ``scaling``: 0/1 Adam's quality at P workers.
 
-The char LM of examples/train_lm.py (same model, data, per-rank batches, learning-rate
-schedule and 0/1 Adam knobs as ``train_lm.py`` defaults) trained on P simulated workers in
-one process by the in-process oracle :func:`hvd_zoadam.oracle.simulate.simulate_zoadam`, which can
-switch one factor off at a time: the 1-bit exchange of the compressed steps or of the sync
-steps (replaced by the exact average), the server side's recompression, the bound on |g|/s
-(``no-clip``; ``unscaled-bound``: without its factor sqrt(P); ``k-bound``: the earlier bound,
-tied to the number k of variance updates), the compression domain, the automatic mask, local
-steps, the freeze; or change the exchange (``two-level``: nodes of 2 ranks) or the local-step
-policy (``steps-policy``: ``"steps"`` with ``--local-step-scaler``). The baseline is
-AdamW on the exact average of the P gradients (what ``hvd.DistributedOptimizer`` does).
+``convergence`` trains a workload on P simulated workers in one process with the in-process
+oracle :func:`hvd_zoadam.oracle.simulate.simulate_zoadam`, which can switch one factor off at a
+time: the 1-bit exchange of the compressed steps or of the sync steps (replaced by the exact
+average), the server side's recompression, the bound on |g|/s (``no-clip``;
+``unscaled-bound``: without its factor sqrt(P); ``k-bound``: the earlier bound, tied to the
+number k of variance updates), the compression domain, the automatic mask, local steps, the
+freeze; or change the exchange (``two-level``: nodes of ``--ranks-per-node`` ranks) or the
+local-step policy (``steps-policy``). The baseline is AdamW on the exact average of the P
+gradients (what ``hvd.DistributedOptimizer`` does).
+
+Workloads (``--workload``): ``lm``, the char LM of examples/train_lm.py (same model, data,
+per-rank batches, learning-rate schedule and 0/1 Adam knobs as ``train_lm.py``'s defaults);
+``digits``, the CNN of examples/train_digits.py. Rank r draws its batches from its own
+generator (seed·1000 + r). ``--oracle batched`` (the default) computes the P ranks' gradients
+in one ``torch.func.vmap``'d call and exchanges through the stacked oracle, which is what
+makes P = 128 possible on a CPU; ``per-rank`` runs one backward pass per rank.
 
 Prints (and with ``--json`` writes) one JSON object: the settings, and per variant the final
-validation loss (the mean over ranks of each rank's model, on the same fixed batches as
-``train_lm.py``), its gap to Adam, and the time it took. With ``--eval-every k`` also the
-validation curve (the same mean every k steps) and ``steps_to_target``, the first evaluated
-step at or below ``target_val_loss``: Adam's loss at its first evaluation at or after 2/3 of
-the steps. Bytes are not simulated: the real job's ``comm_stats()`` counts them (see README).
+validation loss (the mean over ranks of each rank's model, on the same fixed batches), its gap
+to Adam, the time it took, and the bytes each rank would send in the real job by the
+transport's own formulas (:func:`_bytes`). With ``--eval-every k`` also the validation curve
+(the same mean every k steps) and ``steps_to_target``, the first evaluated step at or below
+``target_val_loss``: Adam's loss at its first evaluation at or after 2/3 of the steps.
+
+``scaling`` runs ``convergence`` at each P of ``--ranks`` (0/1 Adam flat, and two-level with
+nodes of ``--ranks-per-node``) and reports the rows side by side (:func:`run_scaling`).
 """
 from __future__ import annotations
 
