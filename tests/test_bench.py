@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cmd
+from conftest import BIN, ROOT, run_cmd
 
 from hvd_zoadam.bench.cli import step_time
 
@@ -154,3 +154,22 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     for name, ratio in ratios.items():
         k = rep["kernels"][name]
         assert k["traffic_vs_copy"] == pytest.approx(k["vs_copy"] * ratio, rel=1e-9), name
+
+
+@pytest.mark.parametrize("block", ["2048", "40"])
+def test_bench_load_counts_the_formulas_bytes_and_reports_memory(block):
+    """`bench load` under horovodrun -np 3: 300 tensors in several buckets (a 0.2 MB cap), one
+    scale per block (40: the scale slots' padding differs from chunk to chunk); every kind's
+    counted bytes per step equal the formulas' (to the counter's rounding of the
+    allreduces' fractional bytes at P = 3), and the memory and times are reported."""
+    out = run_cmd([str(BIN / "horovodrun"), "-np", "3", "-H", "localhost:3", "--gloo", sys.executable, "-m",
+                   "hvd_zoadam.bench", "load", "--model", "many-small", "--blocks", "50", "--bucket-cap-mb", "0.2",
+                   "--scale-block-numel", block, "--iters", "1", "--repeats", "1"], timeout_s=300).stdout
+    rep = json.loads("".join(line.split(">:", 1)[1] + "\n" for line in out.splitlines() if "<stdout>:" in line))
+    assert rep["tensors"] == 300 and rep["world_size"] == 3 and rep["buckets"] > 1
+    assert set(rep["kinds"]) == {"variance", "compressed", "local", "sync"}
+    for kind, r in rep["kinds"].items():
+        assert abs(r["bytes_per_step"] - r["formula_bytes"]) < 1 and r["bytes_match"], kind
+        assert r["ms"] > 0 and r["horovod_adamw_foreach_ms"] > 0
+    assert rep["kinds"]["sync"]["bytes_per_step"] > 0 and rep["kinds"]["local"]["bytes_per_step"] == 0
+    assert rep["memory"]["memory_bytes"]["total"] > 0 and rep["memory"]["rss_growth_bytes"] >= 0

@@ -23,6 +23,9 @@
   validation losses, gaps and each rank's bytes by the transport's formulas.
 * ``resume``: what a resume at another world size, or from rank 0's file alone, keeps of
   the error feedback (:mod:`hvd_zoadam.bench.resume`).
+* ``load``: thousands of small tensors, or 100 M parameters, under ``horovodrun``: bytes
+  against the formulas, step time against Horovod's AdamW, ``memory_bytes()`` against RSS
+  (:mod:`hvd_zoadam.bench.load`).
 * ``model``: an alpha-beta model of step time; validated against a ``network`` JSON
   when given, and projected to BERT-Large on 16–128 workers.
 """
@@ -37,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvd_zoadam.bench import convergence as _bench_convergence, resume as _bench_resume
+from hvd_zoadam.bench import convergence as _bench_convergence, load as _bench_load, resume as _bench_resume
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
@@ -683,6 +686,7 @@ def main(argv=None) -> int:
     mo.add_argument("--json")
     _bench_convergence.add_parser(sub)
     _bench_resume.add_parser(sub)
+    _bench_load.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "network":
         args.rate = args.rate or ["100mbit", "1gbit"]
@@ -697,6 +701,10 @@ def main(argv=None) -> int:
     elif args.cmd == "scaling":
         from hvd_zoadam.bench.lm import example_module
         report = _bench_convergence.run_scaling(args, example_module)
+    elif args.cmd == "load":
+        report = _bench_load.run(args)
+        if report is None:  # not rank 0
+            return 0
     elif args.cmd == "resume":
         from hvd_zoadam.bench.lm import _train_lm
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)
