@@ -161,6 +161,21 @@ def test_a_batched_gradient_function_gives_what_the_per_rank_one_gives():
         simulate_zoadam(params, **kw)
 
 
+def test_an_exchange_that_meets_a_non_finite_scale_stops_the_oracle_by_name():
+    """A NaN gradient on one rank at a COMPRESSED step: FloatingPointError naming the phase and
+    the step, from both exchanges."""
+    params, grad_fn, kw = _quadratic_case(3, steps=6)
+
+    def poisoned(step, rank, xs):
+        grads = grad_fn(step, rank, xs)
+        if step == 3 and rank == 1:
+            grads[0][5] = math.nan
+        return grads
+    for stacked in (True, False):
+        with pytest.raises(FloatingPointError, match="non-finite scale in the compressed exchange of step 3"):
+            simulate_zoadam(params, poisoned, stacked=stacked, **kw)
+
+
 def _example(name):
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -239,7 +239,13 @@ def run(args, examples) -> dict:
             final = [_adam(names, init, grad_fn, lr_fn, decay_of, args, batched)]
             trace, kinds = None, None
         else:
-            final, trace, kinds = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched)
+            try:
+                final, trace, kinds = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched)
+            except FloatingPointError as exc:  # a diverged variant is a result, not a crash
+                report["variants"][name] = {"val_loss": math.nan, "diverged": str(exc), "bytes_per_rank": math.nan,
+                                            "wall_s": round(time.perf_counter() - start, 1)}
+                print(f"[convergence] P={args.ranks} {name}: diverged ({exc})", file=sys.stderr, flush=True)
+                continue
         if batched:
             xs = torch.stack([torch.cat([x.reshape(-1) for x in rank]) for rank in final])
             losses = _val_losses(work, names, xs)
@@ -263,7 +269,7 @@ def run(args, examples) -> dict:
         target = next(v for t, v in report["variants"]["adam"]["curve"] if t >= 2 * args.steps / 3)
         report["target_val_loss"] = target
         for row in report["variants"].values():
-            row["steps_to_target"] = next((t for t, v in row["curve"] if v <= target), None)
+            row["steps_to_target"] = next((t for t, v in row.get("curve", []) if v <= target), None)
     return report
 
 

@@ -152,6 +152,8 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
 
     Raises:
         TypeError: if neither or both of ``grad_fn`` and ``batched_grad_fn`` are given.
+        FloatingPointError: when an exchange meets a non-finite scale (the run diverged; the
+            product would skip such steps, this oracle stops).
     """
     if (grad_fn is None) == (batched_grad_fn is None):
         raise TypeError("simulate_zoadam takes exactly one of grad_fn and batched_grad_fn")
@@ -190,6 +192,9 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             out = _row_sum(inputs) / world_size
         else:
             out = errors.allreduce(inputs, segments, server_exact, stacked)
+        if out is None:
+            raise FloatingPointError(f"simulate_zoadam: a non-finite scale in the {phase} exchange of step {t}: "
+                                     "the run diverged")
         if trace is not None:
             trace.append({"step": t, "kind": phase, **errors.norms(), "result": float(out.norm())})
         return out
