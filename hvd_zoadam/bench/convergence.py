@@ -265,6 +265,8 @@ def run(args, examples) -> dict:
     for row in report["variants"].values():
         row["vs_adam"] = row["val_loss"] / adam["val_loss"] - 1
         row["bytes_vs_adam"] = row["bytes_per_rank"] / adam["bytes_per_rank"] if adam["bytes_per_rank"] else None
+        if "between_nodes_per_rank" in row and adam["bytes_per_rank"]:
+            row["between_nodes_vs_adam"] = row["between_nodes_per_rank"] / adam["bytes_per_rank"]
     if "curve" in report["variants"]["adam"]:
         target = next(v for t, v in report["variants"]["adam"]["curve"] if t >= 2 * args.steps / 3)
         report["target_val_loss"] = target
@@ -388,7 +390,8 @@ def add_parser(sub) -> None:
     _add_knobs(sc)
 
 
-SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "between_nodes_per_rank", "rounds", "wall_s")
+SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "between_nodes_per_rank",
+                "between_nodes_vs_adam", "rounds", "diverged", "wall_s")
 
 
 def run_scaling(args, examples) -> dict:
