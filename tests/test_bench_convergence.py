@@ -53,3 +53,59 @@ def test_convergence_curves_and_steps_to_adams_loss(tmp_path):
         assert row["curve"][-1] == [12, row["val_loss"]], name
         assert row["steps_to_target"] is None or row["steps_to_target"] in (3, 6, 9, 12)
     assert rows["two-level"]["val_loss"] != rows["zoadam"]["val_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_scaling_reports_flat_and_two_level_rows_with_the_formulas_bytes(tmp_path):
+    """`bench scaling` at P = 2 and 16 with nodes of 8: two-level only where there are two
+    nodes; Adam's bytes are 2(P−1)/P·4n a step; 0/1 Adam's flat bytes are its VARIANCE steps'
+    allreduces plus its 1-bit exchanges by exchange_bytes; the JSON file holds the same report."""
+    from hvd_zoadam.bench.lm import example_module
+    from hvd_zoadam.comm.protocol import exchange_bytes
+    from hvd_zoadam.core.layout import scale_segments
+    out = tmp_path / "scaling.json"
+    cmd = [sys.executable, "-m", "hvd_zoadam.bench", "scaling", "--ranks", "2,16", "--ranks-per-node", "8",
+           "--steps", "10", "--warmup", "4", "--n-layer", "1", "--n-embd", "16", "--block-size", "16",
+           "--batch-size", "4", "--eval-batches", "2", "--threads", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == report
+    rows = report["rows"]
+    assert list(rows) == ["2", "16"]
+    assert list(rows["2"]) == ["adam", "zoadam"] and list(rows["16"]) == ["adam", "zoadam", "two-level"]
+    lm = example_module("train_lm")
+    vocab = len(set(lm.load_corpus()))
+    numels = [p.numel() for p in lm.CharGPT(vocab, 16, 1, 16, 4).parameters()]
+    n = sum(numels)
+    for p, by_variant in rows.items():
+        p = int(p)
+        allreduce = 2 * (p - 1) / p * 4 * n
+        assert by_variant["adam"]["bytes_per_rank"] == pytest.approx(allreduce * 10, rel=1e-12)
+        zo = by_variant["zoadam"]
+        variance, onebit = zo["kinds"]["variance"], zo["kinds"]["compressed"] + zo["kinds"]["sync"]
+        assert sum(zo["kinds"].values()) == 10 and zo["rounds"] == variance + 2 * onebit
+        assert zo["bytes_per_rank"] == pytest.approx(variance * allreduce + onebit * exchange_bytes(
+            scale_segments(numels, 256), p), rel=1e-12)
+        assert zo["bytes_vs_adam"] < 1
+        for row in by_variant.values():
+            assert math.isfinite(row["val_loss"]) and row["vs_adam"] == pytest.approx(
+                row["val_loss"] / by_variant["adam"]["val_loss"] - 1, abs=1e-12)
+    two = rows["16"]["two-level"]
+    assert 0 < two["between_nodes_per_rank"] < two["bytes_per_rank"]
+    assert two["between_nodes_vs_adam"] == pytest.approx(two["between_nodes_per_rank"] / rows["16"]["adam"]["bytes_per_rank"])
+
+
+@pytest.mark.timeout(600)
+def test_convergence_runs_the_digits_cnn_and_reports_a_diverged_variant():
+    """--workload digits at P = 2; without the bound on |g|/s (no-clip) this CNN is known to
+    diverge: the row says so instead of the bench crashing."""
+    cmd = [sys.executable, "-m", "hvd_zoadam.bench", "convergence", "--workload", "digits", "--ranks", "2",
+           "--steps", "300", "--var-freeze-step", "50", "--var-update-scaler", "4", "--local-step-scaler", "50",
+           "--local-step-clipper", "4", "--local-step-policy", "steps", "--beta2", "0.999", "--weight-decay", "0",
+           "--batch-size", "32", "--threads", "1", "--variants", "zoadam,no-clip"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["variants"]
+    assert 0 < rows["adam"]["val_loss"] < 1 and 0 < rows["zoadam"]["val_loss"] < 1
+    assert math.isnan(rows["no-clip"]["val_loss"]) and "diverged" in rows["no-clip"]["diverged"]

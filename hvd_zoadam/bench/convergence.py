@@ -315,7 +315,7 @@ def _bytes(name, kinds, numels, args) -> dict:
     local = VARIANTS[name][0].get("ranks_per_node")
     counts = {kind: sum(1 for k in kinds if k is kind) for kind in StepKind}
     onebit = counts[StepKind.COMPRESSED] + counts[StepKind.SYNC]
-    out = {"rounds": 2 * onebit + counts[StepKind.VARIANCE]}
+    out = {"rounds": 2 * onebit + counts[StepKind.VARIANCE], "kinds": {k.value: c for k, c in counts.items()}}
     if local is None:
         out["bytes_per_rank"] = counts[StepKind.VARIANCE] * allreduce + onebit * exchange_bytes(segments, p)
         return out
@@ -391,7 +391,7 @@ def add_parser(sub) -> None:
 
 
 SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "between_nodes_per_rank",
-                "between_nodes_vs_adam", "rounds", "diverged", "wall_s")
+                "between_nodes_vs_adam", "rounds", "kinds", "diverged", "wall_s")
 
 
 def run_scaling(args, examples) -> dict:
