@@ -14,7 +14,7 @@ import torch
 
 from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
 from hvd_zoadam.native import reference
-from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked
+from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked, row_sum
 from hvd_zoadam.core.schedule import Schedule, StepKind
 
 
@@ -189,7 +189,7 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
 
     def exchange(inputs, phase, t):
         if phase in exact:
-            out = _row_sum(inputs) / world_size
+            out = row_sum(inputs) / world_size
         else:
             out = errors.allreduce(inputs, segments, server_exact, stacked)
         if out is None:
@@ -224,7 +224,7 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
         mask = (v != 0) if auto_mask else None
         if kind is StepKind.VARIANCE:
             k += 1
-            avg = _row_sum(g) / world_size
+            avg = row_sum(g) / world_size
             if decoupled and has_decay:
                 x.mul_(1 - lr * weight_decay)
             gr = avg.add(x, alpha=weight_decay) if (not decoupled and weight_decay) else avg.expand(world_size, n)
@@ -275,14 +275,6 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             anchor = x0.clone()
             lr_sum, decay = 0.0, 1.0
     return [[c.view_as(p).clone() for c, p in zip(xr.split(numels), params)] for xr in x], kinds
-
-
-def _row_sum(stack: torch.Tensor) -> torch.Tensor:
-    """Σ_r stack[r], added in rank order (float32), as the per-rank sums of this module."""
-    total = stack[0].clone()
-    for row in stack[1:]:
-        total += row
-    return total
 
 
 class _ErrorBuffers:

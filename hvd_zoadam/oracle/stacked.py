@@ -66,8 +66,8 @@ def compressed_allreduce_stacked(inputs, worker_errors, server_errors, numels=No
     messages = _per_element(scales, lengths, big_n) * torch.where(z >= 0, 1.0, -1.0)
     worker_errors.copy_(z - messages)
     if server_exact:
-        return _row_sum(messages[:, :n]) / rows
-    c = _row_sum(messages, start=torch.zeros(big_n)) / torch.full((big_n,), rows, dtype=torch.float32) \
+        return row_sum(messages[:, :n]) / rows
+    c = row_sum(messages, start=torch.zeros(big_n)) / torch.full((big_n,), rows, dtype=torch.float32) \
         + server_errors.reshape(-1)
     chunk = big_n // rows
     cuts = sorted(set(offsets) | {q * chunk for q in range(rows) if q * chunk < n})
@@ -77,8 +77,9 @@ def compressed_allreduce_stacked(inputs, worker_errors, server_errors, numels=No
     return server_out[:n].clone()
 
 
-def _row_sum(stack: torch.Tensor, start=None) -> torch.Tensor:
-    """Σ_r stack[r] added in rank order (as the per-rank oracle adds), float32."""
+def row_sum(stack: torch.Tensor, start=None) -> torch.Tensor:
+    """``start`` (default: nothing) + Σ_r stack[r], added in rank order, as the per-rank oracle
+    adds its lists: float32[...] from float32[R, ...]."""
     total = stack[0].clone() if start is None else start + stack[0]
     for row in stack[1:]:
         total = total + row
