@@ -40,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvd_zoadam.bench import convergence as _bench_convergence, load as _bench_load, resume as _bench_resume
+from hvd_zoadam.bench import breakdown as _breakdown_mod, convergence as _bench_convergence, load as _bench_load, \
+    resume as _bench_resume
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
@@ -100,7 +101,8 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     module = "hvd_zoadam.bench.diloco" if run.startswith("diloco") else "hvd_zoadam.bench.lm"
     worker = [sys.executable, "-m", module, "--run", run, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--skip", str(args.skip), "--master", net.addresses[0],
-              "--out", str(out), "--eval-every", str(args.eval_every), *args.model_args]
+              "--out", str(out), "--eval-every", str(args.eval_every),
+              *(["--breakdown"] if args.breakdown else []), *args.model_args]
     # Open MPI's default allreduce choice runs 40% below the line rate at 100 Mbit: pin
     # recursive doubling (benchmark-facts §2), so Horovod's baseline is not handicapped.
     cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
@@ -129,15 +131,27 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     if rc == 0 and out.exists():
         result.update(json.loads(out.read_text()), ok=True)
         if run == "compute":  # the ceiling of a data-parallel job is its slowest rank's speed
-            ranks = [json.loads(f.read_text()) for f in sorted(workdir.glob(f"{run}.json.rank*"))]
+            ranks = [json.loads(f.read_text()) for f in sorted(workdir.glob(f"{run}.json.rank*"))
+                     if f.suffix[len(".rank"):].isdigit()]
             if ranks:
                 result["steps_per_s_by_rank"] = [r["steps_per_s"] for r in ranks]
                 for key in ("steps_per_s", "steady_steps_per_s"):
                     if all(r.get(key) for r in ranks):
                         result[key] = min(r[key] for r in ranks)
+        if args.breakdown:
+            result["breakdown"] = _breakdown(workdir, run, result.get("world_size", len(net.addresses)), args.skip)
     else:
         result.update(ok=False, error=f"exit {rc}: {tail}")
     return result
+
+
+def _breakdown(workdir: Path, run: str, world_size: int, skip: int) -> dict:
+    """Mean seconds per step of each part, per step kind, over every rank's timed steps (after
+    the first ``skip``), with each rank's wait for the last one split out of the wire time
+    (:mod:`hvd_zoadam.bench.breakdown`)."""
+    ranks = [json.loads((workdir / f"{run}.json.rank{r}.breakdown").read_text()) for r in range(world_size)]
+    rows = [row for row in _breakdown_mod.split_waits(ranks) if row["step"] > skip]
+    return _breakdown_mod.table(rows, world_size)
 
 
 def _ratios(results: list) -> dict:
@@ -192,14 +206,14 @@ def cmd_network(args) -> dict:
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(RUN_LABELS)}")
     report = {"benchmark": "network", "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
-              "skip": args.skip, "model_args": args.model_args,
+              "skip": args.skip, "model_args": args.model_args, "sysctl": args.sysctl,
               "note": "bandwidth shaped with HTB on both ends of each link; latency NOT shaped (no netem in this "
                       "kernel; base RTT about 0.05 ms). steps/s are over the steps after the first --skip.",
               "rates": {}}
     bar = tqdm(total=len(args.rate) * len(runs), desc="bench network", unit="run", file=sys.stderr)
     for rate in args.rate:
         results = []
-        with Network(args.ranks, rate) as net, tempfile.TemporaryDirectory() as tmp:
+        with Network(args.ranks, rate, sysctls=dict(kv.split("=", 1) for kv in args.sysctl)) as net, tempfile.TemporaryDirectory() as tmp:
             for run in runs:
                 bar.set_postfix(rate=rate, run=run)
                 res = _network_run(net, run, args, Path(tmp))
@@ -209,6 +223,10 @@ def cmd_network(args) -> dict:
                     f"{res['wire_bytes_sent_per_rank'] / 2 ** 20:.1f} MiB/rank on "
                     f"the wire, loss {res['final_loss']:.3f}" if res["ok"] else f"FAILED: {res['error'][-300:]}"))
                 bar.write(msg, file=sys.stderr)
+                for kind, parts in (res.get("breakdown") or {}).items():
+                    bar.write(f"{'':>8}   {kind:<10} {parts['steps']:>4} steps, ms/step: " + ", ".join(
+                        f"{label} {1000 * parts[label]:.1f}" for label in ("wall", *_breakdown_mod.LABELS)),
+                        file=sys.stderr)
                 bar.update()
         report["rates"][rate] = {"runs": results, "ratios": _ratios(results),
                                  "time_to_quality": _time_to_quality(results)}
@@ -647,6 +665,11 @@ def main(argv=None) -> int:
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                      help="extra worker flags, e.g. --n-layer 1 --n-embd 64, or 0/1 Adam's --var-update-scaler 8 "
                           "--local-step-policy steps --local-step-scaler 40 --local-step-clipper 8 (must come last)")
+    net.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                     help="a sysctl set in every simulated host, e.g. net.ipv4.tcp_slow_start_after_idle=0")
+    net.add_argument("--breakdown", action="store_true",
+                     help="per step kind, the seconds in forward/backward, the optimizer, the kernels, packing, "
+                          "the wire and waiting for the slowest rank (hvd_zoadam.bench.breakdown)")
     net.add_argument("--json", help="also write the report here")
     net.add_argument("--png", help="bar chart of steps/s per system and rate")
     st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")

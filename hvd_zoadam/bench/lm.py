@@ -29,6 +29,7 @@ has them (hvd_zoadam's ``comm_stats()``; Adam's allreduce by formula).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from hvd_zoadam.bench.breakdown import Breakdown
 
 RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd", "compute",
         "onebit")
@@ -114,6 +117,19 @@ class StepClock:
         return self.end - self.start - self.eval_timed
 
 
+class _NoBreakdown:
+    """:class:`~hvd_zoadam.bench.breakdown.Breakdown`'s per-step calls, doing nothing."""
+
+    def begin_step(self, step):
+        pass
+
+    def region(self, label):
+        return contextlib.nullcontext()
+
+    def end_step(self, kind):
+        pass
+
+
 def parse(argv=None):
     # "@FILE": one argument per line (torchrun takes --run and --master for its own options)
     ap = argparse.ArgumentParser(fromfile_prefix_chars="@")
@@ -130,9 +146,14 @@ def parse(argv=None):
     ap.add_argument("--local-step-policy", default="lr", help="0/1 Adam's H policy (zoadam run)")
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="0/1 Adam's bucket_cap_mb (zoadam runs)")
     ap.add_argument("--eval-every", type=int, default=0, help="validation loss every k steps (0: never)")
     ap.add_argument("--onebit-freeze-frac", type=float, default=0.2,
                     help="1-bit Adam's freeze_step as a fraction of --steps (onebit run)")
+    ap.add_argument("--adamw", choices=("fused", "foreach", "for-loop"), default="fused",
+                    help="torch AdamW's implementation in the runs that step with it (adam, adam-fp16, ddp-*, compute)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time each step's parts (hvd_zoadam.bench.breakdown); every rank writes --out.rank<r>.breakdown")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -151,6 +172,16 @@ def _val_loss(model, batches, hvd, dist, world, step) -> float:
         dist.all_reduce(val)
         val /= world
     return float(val)
+
+
+def _adamw_impl(args, run=None) -> dict:
+    """torch AdamW's implementation flag for the runs that step with it (Adam, fp16, DDP,
+    compute only): ``fused`` by default, the fastest on the CPU (the for-loop default cost
+    the compute-only ceiling about 19 ms a step that 0/1 Adam's fused kernels do not pay).
+    1-bit Adam (``run="onebit"``) steps with its own kernels: its AdamW is left as it is."""
+    if run == "onebit" or args.adamw == "for-loop":
+        return {}
+    return {args.adamw: True}
 
 
 def _onebit_freeze(args) -> int:
@@ -200,9 +231,9 @@ def main(argv=None):
                       named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
                       var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                       local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
-                      scale_block_numel=256, transport=args.transport)
+                      scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb)
     elif hvd is not None:
-        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
         if args.run == "onebit":
             import hvd_zoadam
             opt = hvd_zoadam.OnebitAdam(inner, model.named_parameters(), freeze_step=_onebit_freeze(args),
@@ -228,25 +259,33 @@ def main(argv=None):
                 net.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup,
                                                          start_localSGD_iter=args.warmup), post_localSGD_hook)
                 averager = PeriodicModelAverager(period=args.local_period, warmup_steps=args.warmup)
-        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
     losses, clock = [], StepClock(args.skip)
     kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
+    breakdown = Breakdown().install(getattr(opt, "transport", None)) if args.breakdown else None
+    timer = breakdown or _NoBreakdown()
     for step in range(1, args.steps + 1):
         clock.tick(step)
-        loss = backward_on_batch(net, opt, lm, data, args, gen)
+        timer.begin_step(step)
+        with timer.region("forward_backward"):
+            loss = backward_on_batch(net, opt, lm, data, args, gen)
         before = opt.comm_stats() if args.run in (*ZOADAM_RUNS, "onebit") else None
-        opt.step()
-        if before is not None and step > args.skip:
+        with timer.region("optimizer"):
+            opt.step()
+            if averager is not None:
+                averager.average_parameters(model.parameters())
+        kind = "step"
+        if before is not None:
             after = opt.comm_stats()
             kind = next(k for k in ("variance", "compressed", "local", "sync")
                         if after[k]["steps"] > before[k]["steps"])
-            kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - clock.stamps[step]
-        if averager is not None:
-            averager.average_parameters(model.parameters())
+            if step > args.skip:
+                kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - clock.stamps[step]
         sched.step()
         losses.append(loss.item())
+        timer.end_step(kind)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, world, step))
     elapsed = clock.elapsed()  # steps/s and wall times never include evaluations
@@ -277,12 +316,18 @@ def main(argv=None):
                    timed_seconds_by_kind=kind_s,
                    config={"var_freeze_step": args.warmup, "var_update_scaler": args.var_update_scaler,
                            "local_step_policy": args.local_step_policy, "local_step_scaler": args.local_step_scaler,
-                           "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256})
-    elif args.run.startswith("adam"):
+                           "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256,
+                           "bucket_cap_mb": args.bucket_cap_mb})
+    if not args.run.startswith(("zoadam", "onebit")):
+        out["adamw"] = args.adamw
+    if args.run.startswith("adam"):
         width = 2 if args.run == "adam-fp16" else 4
         out.update(bytes_sent_counted=args.steps * 2 * (world - 1) / world * width * n_params, rounds=args.steps)
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
+    if breakdown is not None:
+        breakdown.uninstall()
+        Path(f"{args.out}.rank{rank}.breakdown").write_text(json.dumps(breakdown.to_json()))
     if args.run == "compute":
         # Nothing paces the ranks against each other here: each reports its own speed, and the
         # bench takes the slowest, which is what would pace a data-parallel job.

@@ -80,7 +80,7 @@ def _tc(ns, *args):
 class Network:
     """The namespaces, links and agent of one simulation; :meth:`down` removes them all."""
 
-    def __init__(self, hosts: int, rate: str | None, tag: str | None = None):
+    def __init__(self, hosts: int, rate: str | None, tag: str | None = None, sysctls: dict | None = None):
         if hosts < 1:
             raise ValueError(f"--hosts must be >= 1, got {hosts}")
         if os.geteuid() != 0:
@@ -95,6 +95,7 @@ class Network:
         self.bridge_ns = f"{self.tag}br"
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-agent-"))
         self.made: list[str] = []
+        self.sysctls = dict(sysctls or {})  # set in every host namespace, e.g. net.ipv4.tcp_slow_start_after_idle
 
     @property
     def subnet(self) -> str:
@@ -133,6 +134,9 @@ class Network:
             _ip("-n", self.bridge_ns, "link", "set", f"h{k}", "master", "br0")
             _ip("-n", self.bridge_ns, "link", "set", f"h{k}", "up")
             self._shape(ns, IFACE)
+            for key, value in self.sysctls.items():
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"], check=True,
+                               capture_output=True, text=True)
             self._shape(self.bridge_ns, f"h{k}")
         agent = self.dir / "ssh"
         agent.write_text(AGENT)

@@ -1,0 +1,221 @@
+"""Where a step's time goes: exclusive timers that a benchmark wraps around one rank's optimizer.
+
+Nothing in hvd_zoadam carries a timer: :meth:`Breakdown.install` wraps, from the outside and
+for this process only, the Numba kernels (``hvd_zoadam.native``'s public functions), the
+1-bit protocol's phases (:class:`~hvd_zoadam.comm.protocol.Exchange` ``start``, ``serve``,
+``gather_status``, ``commit``, ``rollback``) and the transport's ``start``/``wait``. Without
+``install`` nothing is wrapped, so a run that does not ask for a breakdown pays nothing.
+
+Time is exclusive: a second belongs to the innermost wrapped call running then, so a kernel
+inside ``Exchange.start`` counts as ``kernels``, not ``packing``. The labels:
+
+* ``forward_backward``: the benchmark's data, forward and backward (less what the gradient
+  hooks start inside it, which has its own label);
+* ``optimizer``: ``step()``'s Python and torch work outside the labels below (the step math
+  in torch ops, gathering and scattering parameters, the driver);
+* ``kernels``: inside a Numba kernel;
+* ``packing``: the protocol's own work around the kernels (message layout, copies, checks);
+* ``wire``: inside the transport's ``start``/``wait``, less ``waiting_for_slowest``;
+* ``waiting_for_slowest``: the part of a wait before the last rank had started the same
+  collective (:func:`split_waits`, from every rank's records);
+* ``other``: the rest of the step's wall time (zero_grad, the LR scheduler, the loss read).
+
+:func:`split_waits` pairs the ranks' collectives by their order (every rank starts the same
+collectives in the same order, as MPI requires) and reads their times on one clock:
+``time.perf_counter`` is CLOCK_MONOTONIC, which every process of one machine shares, as the
+simulated hosts of ``bench network`` do. Across real hosts the clocks differ and the split
+does not hold.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+LABELS = ("forward_backward", "optimizer", "kernels", "packing", "wire", "waiting_for_slowest", "other")
+_EXCHANGE_PHASES = ("start", "serve", "gather_status", "commit", "rollback")
+
+
+class Breakdown:
+    """Exclusive seconds per label for each step of one rank, and its collectives' times.
+
+    ``steps``: one dict per finished step: ``step``, ``kind``, ``wall`` (seconds from
+    :meth:`begin_step` to :meth:`end_step`) and the seconds of each label of :data:`LABELS`
+    but ``waiting_for_slowest`` (filled in later by :func:`split_waits`).
+    ``collectives``: ``[step, op, name, t_start, spans]`` per collective in start order, with
+    ``spans`` the ``[begin, end]`` of its ``start`` and ``wait`` calls (perf_counter seconds).
+    """
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.collectives: list[list] = []
+        self._handles: dict[int, list] = {}
+        self._stack: list[str] = []
+        self._totals: dict[str, float] = {}
+        self._last = 0.0
+        self._step = 0
+        self._begin = 0.0
+        self._undo: list = []
+        self._thread = threading.get_ident()  # the thread whose steps are timed (begin_step's)
+
+    # -- exclusive timing ---------------------------------------------------------------------
+    def _enter(self, label: str) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            top = self._stack[-1]
+            self._totals[top] = self._totals.get(top, 0.0) + now - self._last
+        self._stack.append(label)
+        self._last = now
+
+    def _exit(self) -> None:
+        now = time.perf_counter()
+        top = self._stack.pop()
+        self._totals[top] = self._totals.get(top, 0.0) + now - self._last
+        self._last = now
+
+    def region(self, label: str):
+        """A context manager timing its body as ``label`` (the benchmark's own regions)."""
+        bd = self
+
+        class _Region:
+            def __enter__(self):
+                bd._enter(label)
+
+            def __exit__(self, *exc):
+                bd._exit()
+        return _Region()
+
+    def _timed(self, fn, label: str):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() != self._thread:  # another thread-rank's call
+                return fn(*args, **kwargs)
+            self._enter(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._exit()
+        return wrapper
+
+    def _patch(self, owner, attr: str, new) -> None:
+        had = attr in vars(owner)
+        self._undo.append((owner, attr, vars(owner)[attr] if had else None, had))
+        setattr(owner, attr, new)
+
+    # -- installation -------------------------------------------------------------------------
+    def install(self, transport=None) -> "Breakdown":
+        """Wrap the kernels, the protocol phases and ``transport``'s collectives (an hvd_zoadam
+        optimizer's ``transport``; None: only the benchmark's own regions are timed).
+        :meth:`uninstall` puts everything back (uninstall several in the reverse order). Only the
+        calls of the thread that runs :meth:`begin_step` are timed, so that in-process thread
+        ranks can each have their own."""
+        from hvd_zoadam import native
+        from hvd_zoadam.comm.protocol import Exchange
+        for name in native.__all__:
+            fn = getattr(native, name)
+            if callable(fn) and not isinstance(fn, type) and name not in ("warm_up", "configure_threads",
+                                                                          "use_cuda_kernels_on_cpu"):
+                self._patch(native, name, self._timed(fn, "kernels"))
+        for name in _EXCHANGE_PHASES:
+            self._patch(Exchange, name, self._timed(getattr(Exchange, name), "packing"))
+        if transport is None:
+            return self
+        start, wait = transport.start, transport.wait
+
+        def timed_start(op, tensor, name, count=True):
+            self._enter("wire")
+            record = [self._step, op, name, self._last, []]
+            self.collectives.append(record)
+            try:
+                handle = start(op, tensor, name, count)
+            finally:
+                self._exit()
+                record[4].append([record[3], self._last])  # a blocking transport waits in start()
+            self._handles[id(handle)] = record
+            return handle
+
+        def timed_wait(handle):
+            record = self._handles.pop(id(handle), None)
+            self._enter("wire")
+            t0 = self._last
+            try:
+                return wait(handle)
+            finally:
+                self._exit()
+                if record is not None:
+                    record[4].append([t0, self._last])
+        self._patch(transport, "start", timed_start)
+        self._patch(transport, "wait", timed_wait)
+        return self
+
+    def uninstall(self) -> None:
+        for owner, attr, old, had in reversed(self._undo):
+            if had:
+                setattr(owner, attr, old)
+            else:
+                delattr(owner, attr)
+        self._undo.clear()
+
+    # -- per step -----------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Start step ``step``'s wall clock (before its data, forward and backward)."""
+        self._step, self._totals, self._thread = step, {}, threading.get_ident()
+        self._begin = self._last = time.perf_counter()
+
+    def end_step(self, kind: str) -> None:
+        """Close the step: its wall time, its labels, and ``other`` = wall less the labels."""
+        wall = time.perf_counter() - self._begin
+        row = {"step": self._step, "kind": kind, "wall": wall}
+        row.update({label: self._totals.get(label, 0.0) for label in LABELS if label != "waiting_for_slowest"})
+        row["other"] = max(0.0, wall - sum(self._totals.values()))
+        self.steps.append(row)
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "collectives": self.collectives}
+
+
+def split_waits(ranks: list[dict]) -> list[dict]:
+    """Move each rank's wait for the last-arriving rank out of ``wire``.
+
+    ``ranks``: every rank's :meth:`Breakdown.to_json`, in rank order. For the k-th collective,
+    the data cannot move before the last rank has started it (t_last = the latest
+    ``t_start``); the part of rank r's ``start`` and ``wait`` calls before t_last is
+    ``waiting_for_slowest`` of the step that collective belongs to. Returns the ranks' step
+    rows with that label added and ``wire`` reduced by as much.
+
+    Raises:
+        ValueError: when the ranks recorded different numbers or kinds of collectives (they
+            cannot be paired by order).
+    """
+    counts = {len(r["collectives"]) for r in ranks}
+    if len(counts) != 1:
+        raise ValueError(f"split_waits: the ranks recorded {sorted(counts)} collectives; they pair by order")
+    out = [[dict(row, waiting_for_slowest=0.0) for row in r["steps"]] for r in ranks]
+    index = [{row["step"]: row for row in rows} for rows in out]
+    for k, records in enumerate(zip(*(r["collectives"] for r in ranks))):
+        if len({(rec[1], rec[2]) for rec in records}) != 1:
+            raise ValueError(f"split_waits: collective {k} differs across ranks: {[rec[1:3] for rec in records]}")
+        t_last = max(rec[3] for rec in records)
+        for r, rec in enumerate(records):
+            row = index[r].get(rec[0])
+            if row is None:
+                continue
+            waited = sum(max(0.0, min(t1, t_last) - t0) for t0, t1 in rec[4])
+            row["waiting_for_slowest"] += waited
+            row["wire"] -= waited
+    return [row for rows in out for row in rows]
+
+
+def table(rows: list[dict], world_size: int) -> dict:
+    """Mean seconds per step of each label, per step kind, over the ranks' step rows
+    (``rows`` from :func:`split_waits`): ``{kind: {"steps": n, "wall": s, label: s, ...}}``,
+    ``steps`` counted once per step (not per rank)."""
+    out: dict = {}
+    for row in rows:
+        acc = out.setdefault(row["kind"], {"n": 0, "wall": 0.0, **{label: 0.0 for label in LABELS}})
+        acc["n"] += 1
+        acc["wall"] += row["wall"]
+        for label in LABELS:
+            acc[label] += row.get(label, 0.0)
+    return {kind: {"steps": acc["n"] // world_size, "wall": acc["wall"] / acc["n"],
+                   **{label: acc[label] / acc["n"] for label in LABELS}} for kind, acc in out.items()}
