@@ -85,6 +85,10 @@ def test_bench_step_reports_each_kind_against_adamw():
     assert set(rep["kinds"]) == {"variance", "compressed", "local", "sync"}
     for kind, r in rep["kinds"].items():
         assert r["measured_kind"] == kind and r["ms"] > 0
+        parts = r["breakdown_ms"]  # exclusive parts of each step's wall time
+        assert sum(parts[k] for k in ("optimizer", "kernels", "packing", "wire")) <= parts["wall"] * 1.0001
+        assert parts["wire"] == 0.0  # P = 1: nothing is sent
+    assert rep["kinds"]["sync"]["breakdown_ms"]["kernels"] > 0  # sync_prepare / sync_rebuild run
     assert rep["adamw_foreach_ms"] > 0 and isinstance(rep["met"], bool)
 
 

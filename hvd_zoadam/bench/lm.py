@@ -8,7 +8,7 @@ Runs (``--run``):
                 of the steps (default 0.2, the paper advises 15-25 %), then the 1-bit exchange of the
                 momentum at every step, one scale per 256 elements as zoadam
   zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW), freeze at --warmup, one scale per
-                256 elements, var_update_scaler 2 (README: short runs want 2-4; 8, the 400-step
+                256 elements, buckets of --bucket-cap-mb (1.5) MiB, var_update_scaler 2 (README: short runs want 2-4; 8, the 400-step
                 demo's, made 10 of the 12 warm-up steps full precision), H by the lr policy up to 8
   zoadam-torchrun
                 the same 0/1 Adam through hvd_zoadam.distributed over a torch.distributed Gloo
@@ -146,7 +146,10 @@ def parse(argv=None):
     ap.add_argument("--local-step-policy", default="lr", help="0/1 Adam's H policy (zoadam run)")
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="0/1 Adam's bucket_cap_mb (zoadam runs)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=1.5,
+                    help="bucket_cap_mb of the zoadam and onebit runs: 1.5 gives the main job 9 buckets, whose "
+                         "SYNC exchanges pipeline (one bucket's rounds on the wire while the next one's kernels "
+                         "run); at the default 25 the whole model is one bucket and nothing overlaps")
     ap.add_argument("--eval-every", type=int, default=0, help="validation loss every k steps (0: never)")
     ap.add_argument("--onebit-freeze-frac", type=float, default=0.2,
                     help="1-bit Adam's freeze_step as a fraction of --steps (onebit run)")
@@ -237,7 +240,8 @@ def main(argv=None):
         if args.run == "onebit":
             import hvd_zoadam
             opt = hvd_zoadam.OnebitAdam(inner, model.named_parameters(), freeze_step=_onebit_freeze(args),
-                                        scale_block_numel=256, transport=args.transport)
+                                        scale_block_numel=256, transport=args.transport,
+                                        bucket_cap_mb=args.bucket_cap_mb)
         else:
             comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
             opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
@@ -307,7 +311,8 @@ def main(argv=None):
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed")},
-                   timed_seconds_by_kind=kind_s, config={"freeze_step": _onebit_freeze(args), "scale_block_numel": 256})
+                   timed_seconds_by_kind=kind_s, config={"freeze_step": _onebit_freeze(args), "scale_block_numel": 256,
+                           "bucket_cap_mb": args.bucket_cap_mb})
     if args.run in ZOADAM_RUNS:
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
