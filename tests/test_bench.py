@@ -26,7 +26,7 @@ def bench(*args, timeout_s=600):
 def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
     rep = bench("network", "--rate", "1gbit", "--steps", "8", "--warmup", "3", "--skip", "1", "--png", str(png),
-                "--eval-every", "4",
+                "--eval-every", "4", "--breakdown",
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
@@ -78,6 +78,15 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert "latency NOT shaped" in rep["note"] and png.stat().st_size > 0
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "zo" not in " ".join(line.split()[0] for line in out.splitlines() if line.startswith("zo"))
+    # --breakdown: the timed steps (after --skip 1) of each kind, split into parts
+    assert {k: v["steps"] for k, v in z["breakdown"].items()} == {
+        "variance": 1, "compressed": 1, **{k: n for k, n in z["kinds"].items() if k in ("local", "sync") and n}}
+    for name in ("zoadam", "zoadam-torchrun", "adam", "compute", "ddp-powersgd", "onebit"):
+        for kind, parts in runs[name]["breakdown"].items():
+            assert parts["waiting_for_slowest"] >= 0 and parts["wire"] >= -1e-9, (name, kind)
+            assert sum(parts[k] for k in parts if k not in ("steps", "wall")) == pytest.approx(parts["wall"]), name
+    assert runs["compute"]["breakdown"]["step"]["steps"] == 7 and "breakdown" not in runs["diloco-h8"]
+    assert z["breakdown"]["sync"]["kernels"] > 0 and z["breakdown"]["local"]["wire"] == 0
 
 
 def test_bench_step_reports_each_kind_against_adamw():

@@ -103,7 +103,7 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     worker = [sys.executable, "-m", module, "--run", run, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--skip", str(args.skip), "--master", net.addresses[0],
               "--out", str(out), "--eval-every", str(args.eval_every),
-              *(["--breakdown"] if args.breakdown else []), *args.model_args]
+              *(["--breakdown"] if _breaks_down(run, args) else []), *args.model_args]
     # Open MPI's default allreduce choice runs 40% below the line rate at 100 Mbit: pin
     # recursive doubling (benchmark-facts §2), so Horovod's baseline is not handicapped.
     cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
@@ -139,11 +139,17 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
                 for key in ("steps_per_s", "steady_steps_per_s"):
                     if all(r.get(key) for r in ranks):
                         result[key] = min(r[key] for r in ranks)
-        if args.breakdown:
+        if _breaks_down(run, args):
             result["breakdown"] = _breakdown(workdir, run, result.get("world_size", len(net.addresses)), args.skip)
     else:
         result.update(ok=False, error=f"exit {rc}: {tail}")
     return result
+
+
+def _breaks_down(run: str, args) -> bool:
+    """Whether ``run`` reports a step-time breakdown: with ``--breakdown``, every run of
+    :mod:`hvd_zoadam.bench.lm` (DiLoCo's torchft loop has none)."""
+    return args.breakdown and not run.startswith("diloco")
 
 
 def _breakdown(workdir: Path, run: str, world_size: int, skip: int) -> dict:
