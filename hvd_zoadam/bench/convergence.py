@@ -62,6 +62,9 @@ VARIANTS = {
     "paper-domain": ({"precondition": False}, {}),
     "paper-raw": ({"precondition": False, "auto_mask": False}, {}),
     "no-local-steps": ({}, {"local_step_clipper": 1}),
+    "exact-both-no-local-steps": ({"exact": ("compressed", "sync")}, {"local_step_clipper": 1}),
+    "exact-both-no-local-steps-late-freeze": ({"exact": ("compressed", "sync")},
+                                              {"local_step_clipper": 1, "var_freeze_step": "2x"}),
     "steps-policy": ({}, {"local_step_policy": "steps"}),
     "late-freeze": ({}, {"var_freeze_step": "2x"}),
 }
