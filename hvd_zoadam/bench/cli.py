@@ -43,7 +43,6 @@ from pathlib import Path
 from hvd_zoadam.bench import breakdown as _breakdown_mod, convergence as _bench_convergence, load as _bench_load, \
     resume as _bench_resume
 
-Breakdown = _breakdown_mod.Breakdown
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
@@ -220,7 +219,8 @@ def cmd_network(args) -> dict:
     bar = tqdm(total=len(args.rate) * len(runs), desc="bench network", unit="run", file=sys.stderr)
     for rate in args.rate:
         results = []
-        with Network(args.ranks, rate, sysctls=dict(kv.split("=", 1) for kv in args.sysctl)) as net, tempfile.TemporaryDirectory() as tmp:
+        sysctls = dict(kv.split("=", 1) for kv in args.sysctl)
+        with Network(args.ranks, rate, sysctls=sysctls) as net, tempfile.TemporaryDirectory() as tmp:
             for run in runs:
                 bar.set_postfix(rate=rate, run=run)
                 res = _network_run(net, run, args, Path(tmp))
@@ -400,7 +400,7 @@ def _step_breakdown(opt, iters: int, sync) -> dict:
     over ``iters`` more steps timed with :class:`~hvd_zoadam.bench.breakdown.Breakdown` (after
     the alternating timing, so that its wrappers cost that timing nothing). On CUDA a kernel's
     time is its launch; ``sync()`` closes each step."""
-    bd = Breakdown().install(opt.transport)
+    bd = _breakdown_mod.Breakdown().install(opt.transport)
     try:
         for i in range(iters):
             bd.begin_step(i + 1)

@@ -8,8 +8,9 @@ Runs (``--run``):
                 of the steps (default 0.2, the paper advises 15-25 %), then the 1-bit exchange of the
                 momentum at every step, one scale per 256 elements as zoadam
   zoadam        hvd_zoadam.DistributedOptimizer(torch.optim.AdamW), freeze at --warmup, one scale per
-                256 elements, buckets of --bucket-cap-mb (1.5) MiB, var_update_scaler 2 (README: short runs want 2-4; 8, the 400-step
-                demo's, made 10 of the 12 warm-up steps full precision), H by the lr policy up to 8
+                256 elements, buckets of --bucket-cap-mb (1.5) MiB, var_update_scaler 2 (README: short
+                runs want 2-4; 8, the 400-step demo's, made 10 of the 12 warm-up steps full precision),
+                H by the lr policy up to 8
   zoadam-torchrun
                 the same 0/1 Adam through hvd_zoadam.distributed over a torch.distributed Gloo
                 group, one rank per torchrun agent (launched by torchrun, not mpirun; no Horovod)
@@ -29,7 +30,6 @@ has them (hvd_zoadam's ``comm_stats()``; Adam's allreduce by formula).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -117,19 +117,6 @@ class StepClock:
         return self.end - self.start - self.eval_timed
 
 
-class _NoBreakdown:
-    """:class:`~hvd_zoadam.bench.breakdown.Breakdown`'s per-step calls, doing nothing."""
-
-    def begin_step(self, step):
-        pass
-
-    def region(self, label):
-        return contextlib.nullcontext()
-
-    def end_step(self, kind):
-        pass
-
-
 def parse(argv=None):
     # "@FILE": one argument per line (torchrun takes --run and --master for its own options)
     ap = argparse.ArgumentParser(fromfile_prefix_chars="@")
@@ -180,7 +167,7 @@ def _val_loss(model, batches, hvd, dist, world, step) -> float:
 def _adamw_impl(args, run=None) -> dict:
     """torch AdamW's implementation flag for the runs that step with it (Adam, fp16, DDP,
     compute only): ``fused`` by default, the fastest on the CPU (the for-loop default cost
-    the compute-only ceiling about 19 ms a step that 0/1 Adam's fused kernels do not pay).
+    the compute-only ceiling about 28 ms a step that 0/1 Adam's fused kernels do not pay).
     1-bit Adam (``run="onebit"``) steps with its own kernels: its AdamW is left as it is."""
     if run == "onebit" or args.adamw == "for-loop":
         return {}
@@ -268,8 +255,9 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
     losses, clock = [], StepClock(args.skip)
     kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
-    breakdown = Breakdown().install(getattr(opt, "transport", None)) if args.breakdown else None
-    timer = breakdown or _NoBreakdown()
+    timer = Breakdown()  # its regions only; the library is wrapped with --breakdown alone
+    if args.breakdown:
+        timer.install(getattr(opt, "transport", None))
     for step in range(1, args.steps + 1):
         clock.tick(step)
         timer.begin_step(step)
@@ -330,9 +318,9 @@ def main(argv=None):
         out.update(bytes_sent_counted=args.steps * 2 * (world - 1) / world * width * n_params, rounds=args.steps)
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
-    if breakdown is not None:
-        breakdown.uninstall()
-        Path(f"{args.out}.rank{rank}.breakdown").write_text(json.dumps(breakdown.to_json()))
+    if args.breakdown:
+        timer.uninstall()
+        Path(f"{args.out}.rank{rank}.breakdown").write_text(json.dumps(timer.to_json()))
     if args.run == "compute":
         # Nothing paces the ranks against each other here: each reports its own speed, and the
         # bench takes the slowest, which is what would pace a data-parallel job.
