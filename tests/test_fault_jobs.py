@@ -43,6 +43,20 @@ def test_a_rank_killed_inside_the_exchange_ends_the_job(launcher, mode):
     assert step in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_a_rank_that_skips_an_iteration_is_named_by_every_rank_at_the_next_exchange(launcher):
+    """Every rank calls set_iteration(); rank 2 skips iteration 5. Step 5 (a SYNC) meets it: the
+    ranks raise StepMismatchError naming rank 2, its iteration and the step, well inside the
+    collective deadline, instead of a timeout at the end."""
+    proc, elapsed = _fault_job(launcher, "skip-iteration")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "TRAINING FINISHED" not in out
+    assert elapsed < BOUND_S
+    assert "StepMismatchError: hvd_zoadam: a rank skipped or repeated a whole iteration: rank 2 at iteration 6, " \
+           "where the other ranks are at iteration 5, all at optimizer step 5" in out, out[-3000:]
+    assert "did not complete within" not in out
+
+
 def test_a_rank_killed_inside_checkpoint_save_leaves_loadable_checkpoints(tmp_path):
     """Rank 2 dies writing its file of the step-4 checkpoint. ckpt2 is complete: a restart from it
     is bitwise the uninterrupted run. ckpt4 lacks rank 2's file: it loads from rank 0's file on all

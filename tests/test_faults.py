@@ -261,6 +261,7 @@ def test_ranks_at_different_steps_fail_on_every_rank_naming_both_steps():
     assert time.monotonic() - start < 20
     for m in messages:
         assert "different optimizer steps: steps 5 and 6" in m and "call step()" in m
+        assert "(rank 1 at step 6, the other ranks at step 5)" in m
 
 
 def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
@@ -283,6 +284,61 @@ def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
                                                      r"complete within 5 s"):
         run_threads(2, body, timeout_s=5)
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize("skip_at, caught_at", [(3, 3), (4, 5), (11, 14)])
+def test_a_rank_that_skips_an_iteration_is_named_at_the_next_exchange_with_set_iteration(skip_at, caught_at):
+    """With set_iteration(), rank 1 of 3 skips iteration ``skip_at``; the schedule (freeze at 6)
+    runs VARIANCE at 1, 2, 4, 6, COMPRESSED at 3, 5, SYNC at 7, 8, 10, 14 and LOCAL at 9, 11-13.
+    The skip is caught at the first COMPRESSED or SYNC step from ``skip_at`` on (a VARIANCE or a
+    LOCAL step announces nothing), on every rank at once, naming rank 1, both iterations and
+    the optimizer step; that step is not counted."""
+    from hvd_zoadam.comm.protocol import StepMismatchError
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
+                                              named_parameters=model.named_parameters(), var_freeze_step=6,
+                                              var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+        with pytest.raises(StepMismatchError) as info:
+            for it in range(1, 20):
+                if it == skip_at and rank == 1:
+                    continue
+                opt.set_iteration(it)
+                opt.zero_grad()
+                common.loss_fn(model, it, rank).backward()
+                opt.step()
+        return str(info.value), opt.schedule_state()["step"]
+
+    start = time.monotonic()
+    results = run_threads(3, body, timeout_s=30)
+    assert time.monotonic() - start < 20
+    for message, step in results:
+        assert step == caught_at - 1
+        assert (f"a rank skipped or repeated a whole iteration: rank 1 at iteration {caught_at + 1}, where the "
+                f"other ranks are at iteration {caught_at}, all at optimizer step {caught_at}") in message
+
+
+def test_set_iteration_on_some_ranks_only_is_named_and_bad_values_are_refused():
+    from hvd_zoadam.comm.protocol import StepMismatchError
+
+    def body(rank, transport):
+        model, opt = _fault_opt(transport)
+        with pytest.raises(StepMismatchError) as info:
+            for it in range(1, 6):
+                if rank == 0:
+                    opt.set_iteration(it + 100)
+                opt.zero_grad()
+                common.loss_fn(model, it, rank).backward()
+                opt.step()
+        with pytest.raises(TypeError, match="takes an int, got float"):
+            opt.set_iteration(1.0)
+        with pytest.raises(ValueError, match=r"in \[0, 2\*\*31\), got 2147483648"):
+            opt.set_iteration(2 ** 31)
+        return str(info.value)
+
+    for message in run_threads(2, body, timeout_s=30):
+        assert "set_iteration() was called on rank(s) [0] only, at optimizer step 3" in message
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape"])

@@ -18,7 +18,10 @@ from __future__ import annotations
 import warnings
 
 from hvd_zoadam import native
-from hvd_zoadam.comm.protocol import Average, check_layout, exchange_buckets, grads_changed_anywhere
+from collections import Counter
+
+from hvd_zoadam.comm.protocol import (Average, StepMismatchError, check_layout, exchange_buckets,
+                                      grads_changed_anywhere)
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
@@ -97,7 +100,7 @@ class StepDriver:
         if bi not in pre:
             pre[bi] = self.algorithm.compressed_pre(self._engine, b, step, self._counters)
         self.algorithm.fill_compressed(self._engine, b, b.exchange.input, pre[bi])
-        b.exchange.step = step
+        b.exchange.step = self._announced(step)
         return b.exchange.start(b.exchange.input)
 
     def _drain(self, window) -> None:
@@ -109,8 +112,9 @@ class StepDriver:
         the first step, the exchange of the coming step's gradients (or its agreed skip), and
         ``self._pending = (step, kind, skip)`` for :meth:`_apply_step`."""
         step, kind = self._next_kind()
+        announced = self._announced(step)
         for b in self._buckets:
-            b.exchange.step = step  # announced in round 1: ranks at different steps fail fast
+            b.exchange.step = announced  # announced in round 1: ranks at different steps fail fast
         how = self.algorithm.gradient_exchange(kind)
         armed = how is not None and self._can_overlap()  # the same on every rank
         self._engine.check_params_unchanged()
@@ -204,11 +208,12 @@ class StepDriver:
         started = {id(self._buckets[bi]): h for bi, h in window.scales.items()} if window is not None else {}
         if window is not None:
             window.scales = {}
-        return exchange_buckets([self._buckets[bi] for bi in Overlap.launch_order(len(self._buckets))],
-                                engine.scratch["g"], engine.scratch["w"],
-                                lambda b, buf: algorithm.fill_compressed(engine, b, buf, pre[id(b)]),
-                                lambda b, w: algorithm.consume_compressed(engine, b, w, pre[id(b)]),
-                                started=started)
+        return self._naming_ranks(exchange_buckets,
+                                  [self._buckets[bi] for bi in Overlap.launch_order(len(self._buckets))],
+                                  engine.scratch["g"], engine.scratch["w"],
+                                  lambda b, buf: algorithm.fill_compressed(engine, b, buf, pre[id(b)]),
+                                  lambda b, w: algorithm.consume_compressed(engine, b, w, pre[id(b)]),
+                                  started=started)
 
     def _apply_step(self, loss):
         """The step that ``step()`` runs: ``synchronize()`` unless inside ``skip_synchronize()``,
@@ -239,5 +244,48 @@ class StepDriver:
 
     def _exchange(self, buckets, fill, consume, consume_packed=None) -> bool:
         """The 1-bit exchange of ``buckets`` for a step function (see :func:`.protocol.exchange_buckets`)."""
-        return exchange_buckets(buckets, self._engine.scratch["g"], self._engine.scratch["w"], fill, consume,
-                                consume_packed)
+        return self._naming_ranks(exchange_buckets, buckets, self._engine.scratch["g"], self._engine.scratch["w"],
+                                  fill, consume, consume_packed)
+
+    def _announced(self, step: int) -> int:
+        """What the coming step's 1-bit exchanges announce in round 1 (int32): the iteration of
+        :meth:`set_iteration` when the script gives one, else the optimizer step."""
+        self._announcing = (step, self._iteration)
+        return step if self._iteration is None else self._iteration
+
+    def _naming_ranks(self, exchange, *args, **kwargs):
+        """``exchange(*args, **kwargs)``; a :class:`StepMismatchError` is raised again naming
+        the ranks that announced another value than most ranks. Every rank reads the same round-2
+        flags, so every rank gets here together: one allgather of what each announced."""
+        try:
+            return exchange(*args, **kwargs)
+        except StepMismatchError as exc:
+            seen = self.transport.allgather_object(self._announcing, f"zoadam.{self._collectives.prefix}.mismatch")
+            raise StepMismatchError(_mismatch_message(str(exc), seen)) from None
+
+
+def _mismatch_message(base: str, seen: list) -> str:
+    """The message of a step mismatch, from every rank's ``(optimizer step, iteration or None)``
+    (``base``: the exchange's own message). Names the ranks that differ from most ranks: in the
+    iteration when the steps agree (a rank skipped or repeated a whole iteration), else in the
+    step."""
+    steps = [t for t, _ in seen]
+    iterations = [i for _, i in seen]
+    if len(set(steps)) == 1 and None in iterations:
+        given = [r for r, i in enumerate(iterations) if i is not None]
+        return (f"hvd_zoadam: set_iteration() was called on rank(s) {given} only, at optimizer step {steps[0]}: "
+                "call it on every rank before each backward(), or on none")
+    if len(set(steps)) == 1:
+        usual = Counter(iterations).most_common(1)[0][0]
+        odd = ", ".join(f"rank {r} at iteration {i}" for r, i in enumerate(iterations) if i != usual)
+        return (f"hvd_zoadam: a rank skipped or repeated a whole iteration: {odd}, where the other ranks are at "
+                f"iteration {usual}, all at optimizer step {steps[0]}. Every rank must run backward() and "
+                "step() at every iteration (to leave out a bad batch, zero its loss on that rank); restart "
+                "from the last checkpoint")
+    usual = Counter(steps).most_common(1)[0][0]
+    odd = ", ".join(f"rank {r} at step {t}" for r, t in enumerate(steps) if t != usual)
+    if None in iterations:
+        return f"{base} ({odd}, the other ranks at step {usual})"
+    return (f"hvd_zoadam: ranks are at different optimizer steps: {odd}, the other ranks at step {usual}. "
+            "Every rank must call step() (or skip_synchronize()/synchronize() alike) at every iteration; "
+            "restart from the last checkpoint")

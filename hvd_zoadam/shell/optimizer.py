@@ -15,6 +15,7 @@ algorithms), every collective :mod:`hvd_zoadam.comm`.
 """
 from __future__ import annotations
 
+import numbers
 import weakref
 
 import torch
@@ -119,6 +120,8 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
         self._synchronized = False
         self._should_synchronize = True
         self._pending = None          # (step, kind, skip) prepared by synchronize()
+        self._iteration = None        # set_iteration(): what the 1-bit exchanges announce
+        self._announcing = (0, None)  # (optimizer step, iteration) of the exchange in progress
         self._exchanged = False       # p.grad holds this step's exchange result
         self._checked_layout = False
         self._amp_seen = False
@@ -134,6 +137,31 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
             raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
         native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
         self._ready = True
+
+    def set_iteration(self, iteration: int) -> None:
+        """Give the training loop's iteration number, so that a rank that skips or repeats a
+        whole iteration (no ``backward()``/``step()``, or two) is caught at the next 1-bit
+        exchange, naming the rank, instead of at the end of the job as a timeout.
+
+        The ranks pair their exchanges by call order, and the optimizer step counts calls, so a
+        rank one iteration behind still agrees with the others step by step. With this set, the
+        COMPRESSED and SYNC exchanges announce ``iteration`` in round 1 where they otherwise
+        announce the optimizer step (the same 4 bytes: nothing more is sent), and ranks that
+        announce different values raise :class:`~hvd_zoadam.StepMismatchError` on every rank
+        together, naming the odd ranks, their iterations and the step. Call it on every rank,
+        every iteration, before ``backward()`` (the backward hooks start the exchange); on
+        every rank or on none. VARIANCE and LOCAL steps announce nothing, so a skip is caught
+        at the next COMPRESSED or SYNC step.
+
+        Raises:
+            TypeError: ``iteration`` is not an int.
+            ValueError: ``iteration`` is outside [0, 2**31) (it travels as an int32).
+        """
+        if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
+            raise TypeError(f"set_iteration(iteration) takes an int, got {type(iteration).__name__}")
+        if not 0 <= iteration < 2 ** 31:
+            raise ValueError(f"set_iteration(iteration) takes an int in [0, 2**31), got {iteration}")
+        self._iteration = int(iteration)
 
 
 class ZeroOneAdamOptimizer(DistributedAdamOptimizer):

@@ -8,7 +8,9 @@ naming the collective or the dead peer):
   COMPRESSED step) or step 4 (a SYNC step), as it starts the alltoall of the signs, after
   the scales round;
 * ``kill-save PREFIX``: checkpoints ``PREFIX2`` and ``PREFIX4`` after steps 2 and 4, and is
-  killed while writing its own file of ``PREFIX4``.
+  killed while writing its own file of ``PREFIX4``;
+* ``skip-iteration``: every rank calls ``set_iteration``; the last rank skips iteration 5
+  (every rank must then raise StepMismatchError at step 5, naming it).
 
 And the restarts: ``clean OUT`` trains steps 1-19; ``resume PREFIX OUT`` loads a checkpoint
 and trains to step 19. Both write OUT/rank{r}.pt with the final parameters.
@@ -78,6 +80,11 @@ def main():
     elif victim and mode == "kill-save":
         kill_in_save()
     for t in range(first, LAST + 1):
+        if mode == "skip-iteration":
+            if t == 5 and victim:
+                print(f"rank {hvd.rank()}: skips iteration {t}", flush=True)
+                continue
+            opt.set_iteration(t)
         if t == 5 and victim and mode in ("kill", "stall"):
             print(f"rank {hvd.rank()}: {mode} at step {t}", flush=True)
             if mode == "kill":
@@ -88,7 +95,7 @@ def main():
         opt.step()
         if mode == "kill-save" and t in (2, 4):
             checkpoint.save(f"{sys.argv[2]}{t}", model, opt, step=t)
-        if t < 5:  # every step exchanges here (freeze at 3, a sync every step after): x alike on all ranks
+        if t < 5 or mode == "skip-iteration":  # every step exchanges here (freeze at 3, a sync every step after): x alike on all ranks
             common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after step {t}")
     if mode in ("clean", "resume"):
         common.assert_same_on_all_ranks(hvd, list(model.parameters()), "final parameters")
