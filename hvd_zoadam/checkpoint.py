@@ -22,6 +22,13 @@ holds the means over the ranks of the parameters and the momentum
 the next sync owes what every rank did since the anchor, not rank 0's progress alone. The
 step counters and schedules are restored exactly either way.
 
+When the saving ranks' own files are also there (all P of them, from the same save), a
+resume from ``{prefix}.pt`` at P' ranks splits by groups what the means pool: new rank r'
+takes the worker errors, and the spread of the parameters and the momentum about their means,
+of its contiguous group of saving ranks, times P'/P (:func:`load`), which keeps the totals
+and the means exactly, and at P' = P is each rank's own state. A rank reads only its
+group's files; when any of them is missing or does not fit, every rank takes the means.
+
 A file that cannot be read, or that was written for another model or optimizer, raises
 :class:`CheckpointError` naming the file and what does not match; nothing is loaded
 silently.
@@ -119,42 +126,166 @@ def read(path: str) -> dict:
     return ckpt
 
 
-def load(prefix: str, model: torch.nn.Module, optimizer) -> dict:
+def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, per_group: bool = True) -> dict:
     """Restore from :func:`save`'s files; returns the ``extra`` dict.
 
     When every rank has its own file from the same world size, each reads it (exact
     resume); otherwise every rank reads ``{prefix}.pt``, with the pooled error feedback (a
     save that a dead rank never finished thus still loads, consistently on all ranks).
-    **Collective**: call it on every rank (one small allgather decides which files to read).
+
+    From ``{prefix}.pt``, the worker errors are split by groups of saving ranks when every
+    saving rank's own file is there: with P saving ranks and P' ranks now, rank r' takes
+    ``(P'/P)·Σ_{i∈G_r'} e_i`` over the worker errors e_i of its group G_r' of saving ranks
+    (contiguous groups, as ``torch.tensor_split(torch.arange(P), P')``; see
+    :meth:`ZeroOneAdamOptimizer.group_worker_error`), read from ``{prefix}.rank{i}.pt``. What
+    the job owes is kept exactly as with the mean ē on every rank, and so is, group by group,
+    which ranks owed it. Each rank reads only its group's files. When any rank's group cannot
+    be read (a file missing, unreadable, from another world size or another step), or with the
+    two-level exchange on either side (its worker errors are one per node), every rank takes
+    the mean ē instead: the ranks agree on it in a second small allgather, so they never mix
+    the two.
+
+    Args:
+        exact: False reads ``{prefix}.pt`` even when every rank has its own file (what
+            ``bench resume`` compares with the exact resume).
+        per_group: False gives every rank the mean worker error ē, without reading the
+            saving ranks' files.
+
+    **Collective**: call it on every rank, with the same arguments (one small allgather
+    decides which files to read, and another agrees on the worker errors when it is
+    ``{prefix}.pt``).
 
     Raises:
         CheckpointError: a file is unreadable or was written for another model or optimizer
-            (the message names the file and the mismatch). A bad per-rank file raises on
-            every rank, naming the rank.
+            (the message names the file and the mismatch). A bad per-rank file of this world
+            size, or a ``{prefix}.pt`` that a rank cannot read, raises on every rank, naming the
+            rank.
     """
+    tag = f"zoadam.checkpoint.{os.path.basename(prefix)}"
     own = rank_path(prefix, optimizer.transport.rank)
     ckpt, path, problem = None, own, None
-    if os.path.exists(own):
+    if exact and os.path.exists(own):
         try:
             ckpt = read(own)
         except CheckpointError as exc:
             problem = str(exc)
         if ckpt is not None and ckpt.get("rank_state", {}).get("world_size") != optimizer.world_size:
             ckpt = None
-    found = optimizer.transport.allgather_object((ckpt is not None, problem),
-                                                 f"zoadam.checkpoint.{os.path.basename(prefix)}")
+    found = optimizer.transport.allgather_object((ckpt is not None, problem), tag)
     problems = [f"rank {r}: {msg}" for r, (_, msg) in enumerate(found) if msg]
     if problems:  # every rank raises, not only the one whose file is bad
         raise CheckpointError("; ".join(problems))
+    worker = None
     if not all(ok for ok, _ in found):
-        path, ckpt = f"{prefix}.pt", read(f"{prefix}.pt")
+        path = f"{prefix}.pt"
+        ckpt, worker = _read_common(prefix, optimizer, per_group, tag)
     try:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         if "rank_state" in ckpt:
             optimizer.load_rank_state_dict(ckpt["rank_state"])
         else:
-            optimizer.load_error_feedback(ckpt.get("error_feedback"))
+            optimizer.load_error_feedback(ckpt.get("error_feedback"), worker)
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint file {path!r} does not fit this model and optimizer: {exc}") from exc
     return ckpt["extra"]
+
+
+def old_ranks(old_world: int, new_world: int, rank: int) -> list[int]:
+    """The saving ranks whose worker errors rank ``rank`` of a job of ``new_world`` ranks takes
+    over (:meth:`ZeroOneAdamOptimizer.group_worker_error`): group ``rank`` of
+    ``range(old_world)`` cut into ``new_world`` contiguous groups, the first
+    ``old_world % new_world`` one longer, as ``torch.tensor_split(torch.arange(old_world),
+    new_world)[rank]`` (empty for ``rank >= old_world``), as a ``range``."""
+    size, longer = divmod(old_world, new_world)
+    start = rank * size + min(rank, longer)
+    return range(start, start + size + (rank < longer))
+
+
+def _read_common(prefix: str, optimizer, per_group: bool, tag: str) -> tuple[dict, dict | None]:
+    """``{prefix}.pt``, with x and m split by groups in place when every rank can split them,
+    and this rank's worker error split by groups (None: the mean). The ranks agree on both in
+    one allgather. Raises CheckpointError on every rank when some rank cannot read
+    ``{prefix}.pt``."""
+    path, ckpt, problem, split, why_not = f"{prefix}.pt", None, None, None, "not asked"
+    try:
+        ckpt = read(path)
+    except CheckpointError as exc:
+        problem = str(exc)
+    if ckpt is not None and per_group:
+        split, why_not = _split_by_groups(prefix, ckpt, optimizer)
+    agreed = optimizer.transport.allgather_object((problem, why_not is None), tag + ".common")
+    if problem is not None:
+        raise CheckpointError(problem)
+    others = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(agreed) if msg]
+    if others:
+        raise CheckpointError("; ".join(others))
+    if not all(ok for _, ok in agreed):
+        return ckpt, None
+    ckpt["model"].update(split["model"])
+    for pid, m in split["exp_avg"].items():
+        ckpt["optimizer"]["state"][pid]["exp_avg"] = m
+    return ckpt, split["worker_error"]
+
+
+def _split_by_groups(prefix: str, common: dict, optimizer) -> tuple[dict | None, str | None]:
+    """From this rank's group G of the saving ranks' own files (:func:`old_ranks`), with P
+    saving ranks and P' now: ``({"worker_error": {pid: e'}, "model": {key: x'}, "exp_avg":
+    {pid: m'}}, None)``, or ``(None, why not)``.
+
+    e' is :meth:`ZeroOneAdamOptimizer.group_worker_error`'s. x' and m' are the common file's
+    x̄ and m̄ (the means over the saving ranks inside a window of local steps) moved by the
+    group's part of the ranks' spread, x' = x̄ + (P'/P)·Σ_{i∈G}(x_i − x̄), in float64, for every
+    floating-point entry of the model's state and every ``exp_avg``: the mean over the new
+    ranks stays x̄ (the next sync owes what it did), at P' = P each rank continues its own x_i
+    and m_i, and outside a window, where every rank holds x̄, nothing moves. Memory: the
+    model's floating-point state and the momentum once more in float64, and one saving rank's
+    file at a time.
+    """
+    state = common.get("error_feedback")
+    if not isinstance(state, dict) or not isinstance(state.get("world_size"), int) or state["world_size"] < 1:
+        return None, f"{prefix}.pt holds no pooled error feedback"
+    try:
+        return _split(prefix, common, state, optimizer)
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError, IndexError) as exc:
+        # a damaged file that still unpickles: the means, and the load says what does not fit
+        return None, f"{prefix}.pt or a saving rank's file does not hold what the split needs: {exc!r}"
+
+
+def _split(prefix: str, common: dict, state: dict, optimizer) -> tuple[dict | None, str | None]:
+    old, new = state["world_size"], optimizer.world_size
+    groups = common["optimizer"]["param_groups"]
+    counters = groups[0].get("zoadam") if groups else None
+    x_mean = {k: v for k, v in common["model"].items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    m_mean = {pid: st["exp_avg"] for pid, st in common["optimizer"]["state"].items() if "exp_avg" in st}
+    x_spread = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in x_mean.items()}
+    m_spread = {pid: torch.zeros(v.shape, dtype=torch.float64) for pid, v in m_mean.items()}
+    members = []
+    for i in old_ranks(old, new, optimizer.transport.rank):
+        path = rank_path(prefix, i)
+        try:
+            ckpt = read(path)
+        except CheckpointError as exc:
+            return None, str(exc)
+        rank_state = ckpt.get("rank_state")
+        if not isinstance(rank_state, dict) or rank_state.get("world_size") != old or rank_state.get("rank") != i:
+            return None, f"{path!r} is not the file of rank {i} of {old}"
+        saved_groups = ckpt["optimizer"].get("param_groups") if isinstance(ckpt["optimizer"], dict) else None
+        if not saved_groups or saved_groups[0].get("zoadam") != counters:
+            return None, f"{path!r} was saved at another step than {prefix}.pt"
+        members.append(rank_state)
+        try:
+            for k, v in x_mean.items():
+                x_spread[k] += ckpt["model"][k].double() - v.double()
+            for pid, v in m_mean.items():
+                m_spread[pid] += ckpt["optimizer"]["state"][pid]["exp_avg"].double() - v.double()
+        except (KeyError, RuntimeError, AttributeError) as exc:
+            return None, f"{path!r} does not hold what {prefix}.pt holds: {type(exc).__name__}: {exc}"
+        del ckpt
+    try:
+        worker = optimizer.group_worker_error(state, members)
+    except (ValueError, KeyError, TypeError) as exc:
+        return None, f"the worker errors cannot be split by groups: {exc}"
+    return {"worker_error": worker,
+            "model": {k: (v.double() + x_spread[k] * new / old).to(v.dtype) for k, v in x_mean.items()},
+            "exp_avg": {pid: (v.double() + m_spread[pid] * new / old).to(v.dtype) for pid, v in m_mean.items()}}, None

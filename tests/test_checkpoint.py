@@ -45,9 +45,11 @@ def test_same_world_size_resume_is_bitwise_exact(saved, tmp_path):
 
 
 def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
-    """Rank 0's file alone resumes: from P=4 onto P=1, 2, 3 (a changed world size) and onto P=4 without
+    """Rank 0's file resumes: from P=4 onto P=1, 2, 3 (a changed world size) and onto P=4 without
     the per-rank files; the resumed ranks agree with each other, and each starts with the error
-    feedback pooled from the four saving ranks (the mean worker error, the server chunks re-cut)."""
+    feedback pooled from the four saving ranks (the server chunks re-cut; the mean worker error
+    without the per-rank files, and with them at P' = 2, 3 the sum of its group's worker errors
+    times P'/4: the ranks {0, 1} and {2, 3}, or {0, 1}, {2} and {3})."""
     src = tmp_path / "src"
     src.mkdir()
     run_job("gloo", 4, ["tests/mp/worker_ckpt.py", str(src), "save", "9"])
@@ -63,13 +65,18 @@ def test_rank0_file_resumes_other_world_sizes_consistently(tmp_path):
                 env={"CKPT_DIR": str(from_dir)})
         ranks = load_ranks(out, np_)
         assert any(saved[0]["saved9"]["lr_sum"])  # saved inside a window
-        for r in ranks:
+        groups = {2: [[0, 1], [2, 3]], 3: [[0, 1], [2], [3]]}.get(np_) if from_dir == src else None
+        for rank, r in enumerate(ranks):
             assert r["loaded9"] == saved[0]["saved9"]  # step, phase, intervals, k, freeze lr, lr sums
             assert r["next_kind9"] == KINDS.kind(10).value
             assert all(torch.isfinite(p).all() for p in r["resumed9"])
             for (worker, _, n), (mean, _) in zip(r["errors9"], owed):
                 # P' = 1: what the ranks owed went into the parameters (test_resume.py)
-                assert torch.equal(worker[:n], mean if np_ > 1 else torch.zeros_like(mean)) and not worker[n:].any()
+                want = mean if np_ > 1 else torch.zeros_like(mean)
+                if groups:
+                    want = worker_errors_of(src / "ckpt9", 4, groups[rank], np_)[:n]
+                    assert not torch.equal(want, mean)
+                assert torch.equal(worker[:n], want) and not worker[n:].any()
         for b, (mean, server) in enumerate(owed):
             assert mean.abs().sum() > 0 and server.abs().sum() > 0
             if np_ > 1:
@@ -104,6 +111,16 @@ def pooled_from_rank_files(prefix, world_size):
     assert torch.equal(torch.cat([common_file["server_error"][i] for i in ids]), server), \
         "rank 0's file does not hold every rank's server chunk"
     return [(mean, server)]
+
+
+def worker_errors_of(prefix, world_size, group, new_world_size):
+    """(P'/P)·Σ_{i∈group} e_i of the one bucket, from the saving ranks' own files: float64 sums
+    in rank order, rounded to float32."""
+    states = [torch.load(f"{prefix}.rank{r}.pt", weights_only=False)["rank_state"] for r in group]
+    total = torch.zeros_like(states[0]["buckets"][0]["worker_error"], dtype=torch.float64)
+    for st in states:
+        total += st["buckets"][0]["worker_error"].double()
+    return (total * new_world_size / world_size).float()
 
 
 def eval_loss(params) -> float:

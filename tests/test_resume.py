@@ -225,3 +225,147 @@ def test_a_resume_at_world_size_one_puts_what_the_ranks_owed_into_the_parameters
             assert torch.equal(x, saved) and torch.equal(anchor, saved_anchor)
         else:
             assert torch.equal(x, saved - owed) and not errors_left and torch.equal(anchor, saved_anchor - owed)
+
+
+# -- the worker errors, x and m split by groups of saving ranks -------------------------------------
+
+def _save_window(prefix, save_at=12):
+    """P = 4 thread-ranks save after ``save_at`` steps (12: inside a window of local steps, 14: a
+    SYNC step); returns each rank's (worker error, server error, x, m) as saved."""
+    def body(rank, transport):
+        model, opt = _build(transport, knobs=WINDOW)
+        _train(model, opt, rank, save_at)
+        checkpoint.save(prefix, model, opt, step=save_at)
+        b = opt._buckets[0]
+        return (b.exchange.worker_error[:b.numel].clone(), b.exchange.server_error.clone(),
+                torch.cat([q.detach() for q in model]), b.exp_avg.clone())
+    return run_threads(4, body)
+
+
+def _load_window(prefix, world, **kw):
+    """``checkpoint.load`` on ``world`` thread-ranks; each rank's (worker error, server error, x, m)."""
+    def body(rank, transport):
+        model, opt = _build(transport, knobs=WINDOW)
+        checkpoint.load(prefix, model, opt, **kw)
+        b = opt._buckets[0]
+        return (b.exchange.worker_error.clone(), b.exchange.server_error.clone(),
+                torch.cat([q.detach() for q in model]), b.exp_avg.clone())
+    return run_threads(world, body)
+
+
+def test_a_resume_at_half_the_ranks_splits_by_pairs_of_saving_ranks(tmp_path):
+    """Saved at P = 4 inside a window, with every rank's file, resumed at P' = 2: rank 0 takes the
+    worker error (e_0 + e_1)/2 and rank 1 (e_2 + e_3)/2 (not the mean of the four), and likewise
+    continues from (x_0 + x_1)/2 and (m_0 + m_1)/2, rank 1 from the other pair's; the means over
+    the new ranks are the saved means, and the server chunks are cut from the pooled vector."""
+    prefix = str(tmp_path / "ckpt")
+    saved = _save_window(prefix)
+    n = saved[0][0].numel()
+    e, x, m = ([s[k] for s in saved] for k in (0, 2, 3))
+    assert not torch.equal(e[0], e[1]) and not torch.equal(x[0], x[1])  # the ranks differ
+    got = _load_window(prefix, 2)
+    for rank, (a, b) in enumerate(((0, 1), (2, 3))):
+        worker, _, x_new, m_new = got[rank]
+        assert torch.equal(worker[:n], ((e[a].double() + e[b].double()) * 2 / 4).float()) and not worker[n:].any()
+        torch.testing.assert_close(worker[:n], (e[a] + e[b]) / 2, rtol=0, atol=1e-9)
+        torch.testing.assert_close(x_new, (x[a] + x[b]) / 2, rtol=0, atol=1e-7)
+        torch.testing.assert_close(m_new, (m[a] + m[b]) / 2, rtol=0, atol=1e-9)
+    torch.testing.assert_close((got[0][0] + got[1][0])[:n] / 2, sum(e) / 4, rtol=0, atol=1e-9)
+    assert torch.equal(torch.cat([g[1] for g in got])[:n], torch.cat([s[1] for s in saved])[:n])
+
+
+def test_a_resume_at_three_and_five_ranks_keeps_what_the_ranks_owe(tmp_path):
+    """P = 4 onto P' = 3: the groups {0, 1}, {2}, {3}, each sum times 3/4; onto P' = 5: rank i < 4
+    takes 5/4 e_i and rank 4 zero. The owed total Σ e'/P' is the saved Σ e/4 either way."""
+    prefix = str(tmp_path / "ckpt")
+    saved = _save_window(prefix)
+    e = [s[0].double() for s in saved]
+    n = e[0].numel()
+    for world, groups in ((3, [[0, 1], [2], [3]]), (5, [[0], [1], [2], [3], []])):
+        got = _load_window(prefix, world)
+        for rank, group in enumerate(groups):
+            want = (sum((e[i] for i in group), torch.zeros(n, dtype=torch.float64)) * world / 4).float()
+            assert torch.equal(got[rank][0][:n], want), (world, rank)
+        owed = sum(g[0][:n].double() for g in got) / world
+        torch.testing.assert_close(owed, sum(e) / 4, rtol=0, atol=1e-9)
+    assert not got[4][0].any() and got[0][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("save_at", [12, 14])
+def test_a_resume_from_the_common_file_at_the_same_world_size_is_each_ranks_own_state(tmp_path, save_at):
+    """From ``{prefix}.pt`` with the per-rank files next to it (``exact=False``), at P' = P = 4
+    every rank gets back its own worker error, server error, parameters and momentum, bit for bit,
+    inside a window (12) and at a SYNC step (14); without the split (``per_group=False``) it
+    is the means."""
+    prefix = str(tmp_path / "ckpt")
+    saved = _save_window(prefix, save_at)
+    n = saved[0][0].numel()
+    got = _load_window(prefix, 4, exact=False)
+    for s, g in zip(saved, got):
+        assert torch.equal(g[0][:n], s[0]) and torch.equal(g[1], s[1])
+        assert torch.equal(g[2], s[2]) and torch.equal(g[3], s[3])
+    pooled = _load_window(prefix, 4, exact=False, per_group=False)
+    mean = sum(s[0].double() for s in saved) / 4
+    assert all(torch.equal(p[0][:n], mean.float()) for p in pooled)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "other-step"])
+def test_a_missing_saving_rank_file_gives_every_rank_the_means(tmp_path, damage):
+    """Saved at P = 4 and resumed at P' = 2 when saving rank 2's file is missing, unreadable or
+    from another save: every new rank (also rank 0, whose group's files are all there) takes the
+    mean worker error and the saved means of x and m, as without any per-rank file."""
+    prefix = str(tmp_path / "ckpt")
+    saved = _save_window(prefix)
+    n = saved[0][0].numel()
+    path = tmp_path / "ckpt.rank2.pt"
+    if damage == "missing":
+        path.unlink()
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:300])
+    else:
+        other = str(tmp_path / "other")
+        _save_window(other, 13)
+        (tmp_path / "other.rank2.pt").replace(path)
+    got = _load_window(prefix, 2)
+    common = checkpoint.read(prefix + ".pt")
+    ef = common["error_feedback"]["worker_error"]
+    mean_x = torch.cat([common["model"][str(i)] for i in range(4)])
+    mean_m = torch.cat([common["optimizer"]["state"][i]["exp_avg"] for i in range(4)])
+    for worker, _, x, m in got:
+        assert torch.equal(worker[:n], torch.cat([ef[i] for i in range(4)]))
+        assert torch.equal(x, mean_x) and torch.equal(m, mean_m)
+
+
+@pytest.mark.parametrize("side", ["saved", "loaded"])
+def test_the_two_level_exchange_takes_the_mean(tmp_path, side):
+    """With the two-level exchange on either side (worker errors per node, held in shards by the
+    node's ranks), a resume from the common file takes the means even with every per-rank file
+    there: saved with it at 4 ranks on 2 nodes and loaded flat at 2, or saved flat at 4 and loaded
+    with it at 4 ranks on 2 nodes. A small bucket (8 elements), whose shards hold the whole
+    bucket's length."""
+    prefix, sizes = str(tmp_path / "ckpt"), (5, 3)
+    two_level = {**WINDOW, "hierarchical": True}
+
+    def save(rank, transport):
+        model, opt = _build(transport, sizes, knobs=two_level if side == "saved" else WINDOW)
+        for t in range(1, 13):
+            opt.zero_grad()
+            target = torch.randn(8, generator=torch.Generator().manual_seed(1000 * t + rank))
+            ((torch.cat(list(model)) - target) ** 2).sum().backward()
+            opt.step()
+        checkpoint.save(prefix, model, opt)
+    run_threads(4, save, ranks_per_node=2 if side == "saved" else None)
+    common = checkpoint.read(prefix + ".pt")
+    mean = torch.cat([common["error_feedback"]["worker_error"][i] for i in range(2)])
+    assert mean.abs().sum() > 0
+
+    def load(rank, transport):
+        model, opt = _build(transport, sizes, knobs=two_level if side == "loaded" else WINDOW)
+        checkpoint.load(prefix, model, opt, exact=False)
+        ex = opt._buckets[0].exchange
+        x = torch.cat([q.detach() for q in model])
+        return ex.worker_error.clone(), getattr(ex, "lo", 0), getattr(ex, "hi", 8), x
+    got = run_threads(2 if side == "saved" else 4, load, ranks_per_node=2 if side == "loaded" else None)
+    for worker, lo, hi, x in got:
+        assert torch.equal(worker[:hi - lo], mean[lo:hi])
+        assert torch.equal(x, torch.cat([common["model"][str(i)] for i in range(2)]))
