@@ -107,14 +107,15 @@ def test_a_bad_checkpoint_file_is_refused_naming_the_file(tmp_path, damage):
 
 def test_bench_resume_keeps_the_progress_that_zeroed_buffers_lose(tmp_path, capsys):
     """The regression case of ``bench resume`` (saved at P = 4, step 12; 6 more steps): the exact
-    resume is bitwise (gain 1), the pooled error feedback keeps >= 0.9 of the progress at P' = 4 and 3,
-    and the zeroed buffers keep less."""
+    resume is bitwise (gain 1), and so is the common file split by groups at P' = 4; the pooled
+    error feedback keeps >= 0.9 of the progress at P' = 4 and 3, and the zeroed buffers keep less."""
     out = tmp_path / "r.json"
     assert bench_main(["resume", "--to", "4,3", "--json", str(out)]) == 0
     import json
     report = json.loads(out.read_text())
     rows = {(r["world_size"], r["mode"]): r for r in report["runs"]}
     assert rows[(4, "rank-files")]["val_loss"] == report["uninterrupted"][0]["val_end"]
+    assert rows[(4, "grouped")]["val_loss"] == report["uninterrupted"][0]["val_end"]  # each rank's own state
     for p in (4, 3):
         assert rows[(p, "pooled")]["gain"] >= 0.9
         assert rows[(p, "zeroed")]["gain"] < rows[(p, "pooled")]["gain"]

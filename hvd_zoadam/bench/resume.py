@@ -8,7 +8,11 @@ same ``--after`` steps, in three ways:
 
 * ``rank-files``: each rank's own file (P' = P only): the exact resume;
 * ``pooled``: ``{prefix}.pt`` alone, with the pooled error feedback (the mean worker error
-  and every rank's server chunk, algorithm.md §6), what ``checkpoint.load`` does;
+  and every rank's server chunk, algorithm.md §6), what ``checkpoint.load`` does without the
+  saving ranks' own files (``per_group=False``);
+* ``grouped``: ``{prefix}.pt`` with the saving ranks' own files next to it, what
+  ``checkpoint.load`` does when the world size changed: as ``pooled``, but rank r' of P' takes
+  the worker errors of its group of saving ranks, (P'/P)·Σ_{i∈G_r'} e_i, instead of the mean;
 * ``zeroed``: ``{prefix}.pt`` alone with the error buffers at zero (what a resume did
   before the error feedback was pooled, and what DeepSpeed does on every load).
 
@@ -39,6 +43,7 @@ from hvd_zoadam.bench.lm import add_model_arguments
 from hvd_zoadam.comm.transport import ThreadGroup
 
 SIZES = (37, 5, 1, 64)
+MODES = ("rank-files", "pooled", "grouped", "zeroed")
 _INIT_LOCK = threading.Lock()  # thread-ranks share torch's global RNG: one model init at a time
 
 
@@ -201,11 +206,13 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
         if load is not None:
             if mode == "rank-files":
                 extra = checkpoint.load(load, model, opt)
+            elif mode in ("pooled", "grouped"):
+                extra = checkpoint.load(load, model, opt, exact=False, per_group=mode == "grouped")
             else:
                 ckpt = checkpoint.read(load + ".pt")
                 model.load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["optimizer"])
-                opt.load_error_feedback(ckpt["error_feedback"] if mode == "pooled" else None)
+                opt.load_error_feedback(None)
                 extra = ckpt["extra"]
             if sched is not None:
                 sched.load_state_dict(extra["scheduler"])
@@ -240,7 +247,7 @@ def run(args, train_lm=None) -> dict:
                                             "seconds": time.perf_counter() - t0})
             print(f"uninterrupted P={p}, saved at {s}: {base:.4f} -> {full['end']:.4f}", file=sys.stderr)
             for q in args.to:
-                for mode in ("rank-files", "pooled", "zeroed"):
+                for mode in MODES:
                     if mode == "rank-files" and q != p:
                         continue
                     end = _job(case, q, s + 1, s + k, load=prefix, mode=mode)["end"]
