@@ -23,6 +23,8 @@
   validation losses, gaps and each rank's bytes by the transport's formulas.
 * ``resume``: what a resume at another world size, or from rank 0's file alone, keeps of
   the error feedback (:mod:`hvd_zoadam.bench.resume`).
+* ``chaos``: faults at random over a long run under ``mpirun`` on simulated hosts, a
+  supervisor restarting from the latest complete checkpoint (:mod:`hvd_zoadam.bench.chaos`).
 * ``load``: thousands of small tensors, or 100 M parameters, under ``horovodrun``: bytes
   against the formulas, step time against Horovod's AdamW, ``memory_bytes()`` against RSS
   (:mod:`hvd_zoadam.bench.load`).
@@ -40,8 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvd_zoadam.bench import breakdown as _breakdown_mod, convergence as _bench_convergence, load as _bench_load, \
-    resume as _bench_resume
+from hvd_zoadam.bench import breakdown as _breakdown_mod, chaos as _bench_chaos, convergence as _bench_convergence, \
+    load as _bench_load, resume as _bench_resume
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
@@ -736,6 +738,7 @@ def main(argv=None) -> int:
     _bench_convergence.add_parser(sub)
     _bench_resume.add_parser(sub)
     _bench_load.add_parser(sub)
+    _bench_chaos.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "network":
         args.rate = args.rate or ["100mbit", "1gbit"]
@@ -754,6 +757,8 @@ def main(argv=None) -> int:
         report = _bench_load.run(args)
         if report is None:  # not rank 0
             return 0
+    elif args.cmd == "chaos":
+        report = _bench_chaos.run(args)
     elif args.cmd == "resume":
         from hvd_zoadam.bench.lm import _train_lm
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)
