@@ -137,7 +137,7 @@ def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, 
     saving rank's own file is there: with P saving ranks and P' ranks now, rank r' takes
     ``(P'/P)·Σ_{i∈G_r'} e_i`` over the worker errors e_i of its group G_r' of saving ranks
     (contiguous groups, as ``torch.tensor_split(torch.arange(P), P')``; see
-    :meth:`ZeroOneAdamOptimizer.group_worker_error`), read from ``{prefix}.rank{i}.pt``. What
+    :func:`group_worker_error`), read from ``{prefix}.rank{i}.pt``. What
     the job owes is kept exactly as with the mean ē on every rank, and so is, group by group,
     which ranks owed it. Each rank reads only its group's files. When any rank's group cannot
     be read (a file missing, unreadable, from another world size or another step), or with the
@@ -193,7 +193,7 @@ def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, 
 
 def old_ranks(old_world: int, new_world: int, rank: int) -> list[int]:
     """The saving ranks whose worker errors rank ``rank`` of a job of ``new_world`` ranks takes
-    over (:meth:`ZeroOneAdamOptimizer.group_worker_error`): group ``rank`` of
+    over (:func:`group_worker_error`): group ``rank`` of
     ``range(old_world)`` cut into ``new_world`` contiguous groups, the first
     ``old_world % new_world`` one longer, as ``torch.tensor_split(torch.arange(old_world),
     new_world)[rank]`` (empty for ``rank >= old_world``), as a ``range``."""
@@ -233,7 +233,7 @@ def _split_by_groups(prefix: str, common: dict, optimizer) -> tuple[dict | None,
     saving ranks and P' now: ``({"worker_error": {pid: e'}, "model": {key: x'}, "exp_avg":
     {pid: m'}}, None)``, or ``(None, why not)``.
 
-    e' is :meth:`ZeroOneAdamOptimizer.group_worker_error`'s. x' and m' are the common file's
+    e' is :func:`group_worker_error`'s. x' and m' are the common file's
     x̄ and m̄ (the means over the saving ranks inside a window of local steps) moved by the
     group's part of the ranks' spread, x' = x̄ + (P'/P)·Σ_{i∈G}(x_i − x̄), in float64, for every
     floating-point entry of the model's state and every ``exp_avg``: the mean over the new
@@ -283,9 +283,68 @@ def _split(prefix: str, common: dict, state: dict, optimizer) -> tuple[dict | No
             return None, f"{path!r} does not hold what {prefix}.pt holds: {type(exc).__name__}: {exc}"
         del ckpt
     try:
-        worker = optimizer.group_worker_error(state, members)
+        worker = group_worker_error(optimizer, state, members)
     except (ValueError, KeyError, TypeError) as exc:
         return None, f"the worker errors cannot be split by groups: {exc}"
     return {"worker_error": worker,
             "model": {k: (v.double() + x_spread[k] * new / old).to(v.dtype) for k, v in x_mean.items()},
             "exp_avg": {pid: (v.double() + m_spread[pid] * new / old).to(v.dtype) for pid, v in m_mean.items()}}, None
+
+
+def group_worker_error(optimizer, state: dict, members: list) -> dict:
+    """``optimizer``'s rank's worker error from the saving ranks' own states: of P saving ranks split
+    into P' contiguous groups (:func:`old_ranks`, empty at P' > P),
+    rank r' takes ``(P'/P)·Σ_{i∈G_r'} e_i`` (float64 sum in rank order, then float32). The
+    owed total Σ e'/P' stays Σ e_i/P, as with the mean ē; at P' = P each rank takes its own.
+
+    ``state``: the saving job's :meth:`ZeroOneAdamOptimizer.error_feedback_state`; ``members``: the
+    :meth:`ZeroOneAdamOptimizer.rank_state_dict` of each saving rank of G_r', in rank order. Returns ``{pid:
+    float32[numel]}`` on the CPU for :meth:`ZeroOneAdamOptimizer.load_error_feedback`. Collectives: none.
+
+    Raises:
+        ValueError (the caller then takes the mean): members of another world size or
+            group, or not holding exactly ``state``'s parameters; the two-level exchange on
+            either side (one worker error per node, in shards).
+    """
+    old, new = state["world_size"], optimizer.world_size
+    if optimizer._engine.topology() is not None:
+        raise ValueError("this optimizer uses the two-level exchange (one worker error per node)")
+    expected = old_ranks(old, new, optimizer.transport.rank)
+    if len(members) != len(expected) or [m.get("rank") for m in members] != list(expected):
+        raise ValueError(f"the group of rank {optimizer.transport.rank} is the saving ranks {expected}, "
+                         f"got the states of {[m.get('rank') for m in members]}")
+    totals = _sum_worker_errors(state, members)
+    return {pid: (total * new / old).float() for pid, total in totals.items()}
+
+
+def _sum_worker_errors(state: dict, members: list) -> dict:
+    """``{pid: float64[numel]}``: the sum, in rank order, of the saving ranks' worker errors in
+    ``members`` (their :meth:`ZeroOneAdamOptimizer.rank_state_dict`), per parameter of ``state``
+    (:meth:`ZeroOneAdamOptimizer.error_feedback_state`). Raises ValueError when a member is from
+    another world size, from the two-level exchange, or does not hold exactly ``state``'s
+    parameters."""
+    old = state["world_size"]
+    totals = {pid: torch.zeros(saved.numel(), dtype=torch.float64) for pid, saved in state["worker_error"].items()}
+    for m in members:
+        if m.get("world_size") != old:
+            raise ValueError(f"the state of saving rank {m['rank']} is from world size {m.get('world_size')}, "
+                             f"the pooled state from {old}")
+        if m.get("hierarchical") is not None:
+            raise ValueError("the saving job used the two-level exchange (one worker error per node)")
+        covered = set()
+        for bucket in m["buckets"]:
+            if "params" not in bucket:
+                raise ValueError(f"the state of saving rank {m['rank']} does not list its buckets' parameters")
+            worker, at = bucket["worker_error"], 0
+            for pid, name, numel in bucket["params"]:
+                if pid not in totals or state["names"].get(pid) != name or totals[pid].numel() != numel:
+                    raise ValueError(f"saving rank {m['rank']} holds parameter {name!r} of {numel} elements at "
+                                     f"position {pid}, which the pooled state does not")
+                if at + numel > worker.numel():
+                    raise ValueError(f"the worker error of saving rank {m['rank']} is shorter than its parameters")
+                totals[pid] += worker[at:at + numel].to(torch.float64)
+                covered.add(pid)
+                at += numel
+        if covered != set(totals):
+            raise ValueError(f"the state of saving rank {m['rank']} does not cover the parameters of the pooled state")
+    return totals

@@ -14,7 +14,6 @@ import weakref
 
 import torch
 
-from hvd_zoadam.checkpoint import old_ranks
 from hvd_zoadam.core.layout import segment_offsets
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY, check_group, check_named_parameters
 from hvd_zoadam.comm.protocol import pool_error_feedback
@@ -31,7 +30,7 @@ class StateDictMixin:
         ``server_error``, copied to the CPU (no second copy on a GPU), and ``params``: the
         bucket's parameters in order as ``[pid, name, numel]`` (``pid`` as in
         :meth:`state_dict`), which places each parameter in the flat buffers whatever their
-        padding (:meth:`group_worker_error`). See :mod:`hvd_zoadam.checkpoint` for files.
+        padding (:func:`hvd_zoadam.checkpoint.group_worker_error`). See :mod:`hvd_zoadam.checkpoint` for files.
         """
         ids = self._param_ids()
         return {"version": 1, "world_size": self.world_size, "rank": self.transport.rank,
@@ -125,65 +124,6 @@ class StateDictMixin:
                 self._engine.scatter(x, b.params)
                 b.exp_avg.copy_(m)
 
-    def group_worker_error(self, state: dict, members: list) -> dict:
-        """This rank's worker error when the saving ranks' own states are at hand: with P =
-        ``state["world_size"]`` saving ranks and this job's P' ranks, rank r' takes
-        ``(P'/P)·Σ_{i∈G_r'} e_i``, where e_i is saving rank i's worker error and G_0 .. G_{P'-1}
-        split the ranks 0..P-1 into P' contiguous groups in order, as
-        ``torch.tensor_split(torch.arange(P), P')`` does (at P' > P some groups are empty and
-        their ranks take zero). The owed total Σ_r' e'_r'/P' is Σ_i e_i/P, the same as
-        :meth:`load_error_feedback`'s mean ē on every rank gives, but each rank keeps the part of
-        it that its group's ranks held; at P' = P each rank takes exactly its own e_r. The sum
-        is taken in float64 in rank order, times P', over P, then rounded to float32.
-
-        Args:
-            state: :meth:`error_feedback_state` of the saving job (it names the parameters).
-            members: the :meth:`rank_state_dict` of each saving rank in G_r', in rank order
-                (:func:`hvd_zoadam.checkpoint.old_ranks` names them); empty for an empty group.
-
-        Returns:
-            ``{pid: float32[numel]}`` on the CPU for every parameter ``state`` covers, for
-            :meth:`load_error_feedback`'s ``worker_error``. Collectives: none.
-
-        Raises:
-            ValueError: the split cannot be made, and the caller falls back to the mean: a member
-                from another world size or rank, without the parameter lists, or for other
-                parameters; or the two-level exchange on either side, whose worker errors are one
-                per node, each held in shards by the node's ranks (not split by groups of ranks).
-        """
-        old, new = state["world_size"], self.world_size
-        if self._engine.topology() is not None:
-            raise ValueError("this optimizer uses the two-level exchange (one worker error per node)")
-        expected = old_ranks(old, new, self.transport.rank)
-        if len(members) != len(expected) or [m.get("rank") for m in members] != list(expected):
-            raise ValueError(f"the group of rank {self.transport.rank} is the saving ranks {expected}, "
-                             f"got the states of {[m.get('rank') for m in members]}")
-        totals = {pid: torch.zeros(saved.numel(), dtype=torch.float64) for pid, saved in state["worker_error"].items()}
-        for m in members:
-            if m.get("world_size") != old:
-                raise ValueError(f"the state of saving rank {m['rank']} is from world size {m.get('world_size')}, "
-                                 f"the pooled state from {old}")
-            if m.get("hierarchical") is not None:
-                raise ValueError("the saving job used the two-level exchange (one worker error per node)")
-            covered = set()
-            for bucket in m["buckets"]:
-                if "params" not in bucket:
-                    raise ValueError(f"the state of saving rank {m['rank']} does not list its buckets' parameters")
-                worker, at = bucket["worker_error"], 0
-                for pid, name, numel in bucket["params"]:
-                    if pid not in totals or state["names"].get(pid) != name or totals[pid].numel() != numel:
-                        raise ValueError(f"saving rank {m['rank']} holds parameter {name!r} of {numel} elements at "
-                                         f"position {pid}, which the pooled state does not")
-                    if at + numel > worker.numel():
-                        raise ValueError(f"the worker error of saving rank {m['rank']} is shorter than its parameters")
-                    totals[pid] += worker[at:at + numel].to(torch.float64)
-                    covered.add(pid)
-                    at += numel
-            if covered != set(totals):
-                raise ValueError(f"the state of saving rank {m['rank']} does not cover the parameters of the "
-                                 "pooled state")
-        return {pid: (total * new / old).float() for pid, total in totals.items()}
-
     def load_error_feedback(self, state: dict | None, worker_error: dict | None = None) -> bool:
         """Load :meth:`error_feedback_state` (from any world size) into this rank's buffers:
         ``worker_error`` becomes the saved mean, ``server_error`` this rank's chunk of the
@@ -193,7 +133,7 @@ class StateDictMixin:
         Parameters the state does not cover start at zero. Returns False (buffers zeroed) when
         ``state`` is None. Collectives: none.
 
-        ``worker_error`` (``{pid: float32[numel]}``, e.g. :meth:`group_worker_error`'s), when
+        ``worker_error`` (``{pid: float32[numel]}``, e.g. :func:`hvd_zoadam.checkpoint.group_worker_error`'s), when
         given, is this rank's worker error instead of the saved mean; the server errors still
         come from ``state``. Parameters of ``state`` it leaves out start at zero.
 
