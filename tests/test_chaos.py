@@ -9,6 +9,7 @@ import random
 import sys
 
 import pytest
+import torch
 
 from conftest import run_cmd
 from hvd_zoadam.bench import chaos
@@ -25,8 +26,8 @@ def _args(**kw):
 def test_an_attempts_faults_are_replayed_from_the_seed_and_end_at_the_first_that_kills():
     args = _args(steps=500, mean_gap=20, ranks=3, timeout=8.0)
     for seed in range(40):
-        plan = chaos.plan_attempt(random.Random(seed), 100, 10, args)
-        assert plan == chaos.plan_attempt(random.Random(seed), 100, 10, args)
+        plan = chaos.plan_attempt(random.Random(seed), 100, 10, args, 3)
+        assert plan == chaos.plan_attempt(random.Random(seed), 100, 10, args, 3)
         assert 1 <= len(plan) <= 4
         steps = [f["step"] for f in plan]
         assert steps == sorted(steps) and 100 < steps[0] and steps[-1] <= 100 + 40 * len(plan)
@@ -35,22 +36,31 @@ def test_an_attempts_faults_are_replayed_from_the_seed_and_end_at_the_first_that
             assert f["kind"] in chaos.KINDS and 0 <= f["rank"] < 3
             if f["kind"] == "link-down":
                 assert 4.0 <= f["seconds"] <= 12.0
-    assert len(chaos.plan_attempt(random.Random(0), 100, 1, args)) == 1  # the budget of faults left
-    assert chaos.plan_attempt(random.Random(3), 499, 4, args)[-1]["step"] == 500  # never past the end
+    assert len(chaos.plan_attempt(random.Random(0), 100, 1, args, 3)) == 1  # the budget of faults left
+    assert chaos.plan_attempt(random.Random(3), 499, 4, args, 3)[-1]["step"] == 500  # never past the end
+    assert {f["rank"] for seed in range(40) for f in chaos.plan_attempt(random.Random(seed), 0, 4, args, 2)} == {0, 1}
 
 
 def test_the_restart_takes_the_newest_checkpoint_with_every_ranks_file(tmp_path):
-    def files(step, ranks):
+    def files(step, world, ranks):
         for r in ranks:
-            (tmp_path / f"s{step:07d}.rank{r}.pt").write_bytes(b"x")
-    files(25, [0, 1, 2])
-    files(50, [0, 1, 2])
-    files(75, [0, 2])  # a rank died inside this save
+            torch.save({"model": {}, "optimizer": {}, "extra": {}, "rank_state": {"world_size": world, "rank": r}},
+                       tmp_path / f"s{step:07d}.rank{r}.pt")
+    files(25, 3, [0, 1, 2])
+    files(50, 3, [0, 1, 2])
+    files(75, 3, [0, 2])  # a rank died inside this save
     (tmp_path / "s0000075.rank1.pt.killed.tmp").write_bytes(b"x")
-    assert chaos.latest_complete(tmp_path, 3, set()) == (50, str(tmp_path / "s0000050"))
-    assert chaos.latest_complete(tmp_path, 3, {str(tmp_path / "s0000050")}) == (25, str(tmp_path / "s0000025"))
-    assert chaos.latest_complete(tmp_path, 1, set()) == (75, str(tmp_path / "s0000075"))
-    assert chaos.latest_complete(tmp_path / "none", 3, set()) is None
+    assert chaos.latest_complete(tmp_path, set()) == (50, str(tmp_path / "s0000050"))
+    assert chaos.latest_complete(tmp_path, {str(tmp_path / "s0000050")}) == (25, str(tmp_path / "s0000025"))
+    files(100, 3, [0, 1, 2])
+    files(100, 2, [0, 1])  # a restart at 2 ranks saved the same step again: rank 2's file is stale
+    assert chaos.latest_complete(tmp_path, set()) == (100, str(tmp_path / "s0000100"))
+    files(125, 2, [0])
+    files(125, 3, [1])  # rank 1's file is another job's
+    assert chaos.latest_complete(tmp_path, set()) == (100, str(tmp_path / "s0000100"))
+    (tmp_path / "s0000150.rank0.pt").write_bytes(b"not a checkpoint")
+    assert chaos.latest_complete(tmp_path, set()) == (100, str(tmp_path / "s0000100"))
+    assert chaos.latest_complete(tmp_path / "none", set()) is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")

@@ -5,8 +5,9 @@ windows of local steps) trains for ``--steps`` steps on ``--ranks`` ranks under 
 :mod:`hvd_zoadam.bench.netsim`'s simulated hosts, one rank per host, checkpointing every
 ``--save-every`` steps with :func:`hvd_zoadam.checkpoint.save`. A supervisor restarts the job
 from its latest complete checkpoint (every rank's file there) after each failure, while a
-seeded fault injector (``--seed``: a run can be replayed) picks one fault per attempt, at a
-random step and rank, until ``--faults`` have fired:
+seeded fault injector (``--seed``: a run can be replayed) plans each attempt's faults at
+random steps and ranks, until ``--faults`` have fired (link faults, which the job may survive,
+until one that kills a rank or fails a save):
 
 * ``kill-between``: SIGKILL of a rank between two steps;
 * ``kill-exchange``: SIGKILL of a rank as it starts round 1 (``.signs``) or round 2
@@ -22,20 +23,28 @@ random step and rank, until ``--faults`` have fired:
   ``iptables``, so random loss and fixed added latency cannot be injected; a starved link
   is the nearest fault HTB and pfifo can make.
 
+With ``--resize`` each attempt runs on ``--ranks`` or one rank fewer, drawn from the seed, and
+resumes through :func:`hvd_zoadam.checkpoint.load` at the other world size where the
+checkpoint's differs. The data of a step is the same global batch at any world size (the
+``--ranks`` batches split over the ranks by contiguous groups, each loss weighted by its
+share), so the end is compared with the uninterrupted run by its validation loss.
+
 The collective deadline is ``--timeout`` (``HVD_ZOADAM_TIMEOUT_S``). Every rank calls
 ``set_iteration`` so ranks that went apart would be named. The report (JSON): faults fired
 by kind, attempts, restarts, steps recomputed (the steps a failed attempt had done past the
 checkpoint the next one resumed from), checkpoints that failed to load (must be 0), hangs (an
 attempt with no progress for ``--timeout`` + the longest link outage + 60 s, or a rank
 process left after ``mpirun`` ended; must be 0), temporary files left by killed saves, and the
-final parameters of every rank against an uninterrupted run of the same seed (bitwise equal:
-every restart keeps the world size, and a resume from every rank's own file is exact).
+final parameters of every rank against an uninterrupted run of the same seed (without
+``--resize`` bitwise equal: every restart keeps the world size, and a resume from every rank's
+own file is exact; Horovod's tensor fusion is off, see :func:`run_attempt`).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -60,12 +69,28 @@ def _model() -> torch.nn.Module:
 
 
 def _batch(step: int, rank: int, n: int = 32):
-    """Rank ``rank``'s batch of step ``step``: a fixed teacher's targets plus noise."""
+    """Batch ``rank`` of step ``step``: a fixed teacher's targets plus noise."""
     teacher = torch.Generator().manual_seed(99)
     w = torch.randn(16, 4, generator=teacher)
     gen = torch.Generator().manual_seed(1_000_003 * step + rank)
     x = torch.randn(n, 16, generator=gen)
     return x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 4, generator=gen)
+
+
+def _loss(model, step: int, rank: int, world_size: int, data_ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s loss: of the ``data_ranks`` batches of each step (the job's size when
+    not resized), its contiguous group's (:func:`hvd_zoadam.checkpoint.old_ranks`), weighted
+    by the group's share, so that the ranks' average gradient is the same global batch's at
+    any world size (its own batch alone when ``world_size == data_ranks``)."""
+    from hvd_zoadam.checkpoint import old_ranks
+    if world_size == data_ranks:
+        x, y = _batch(step, rank)
+        return torch.nn.functional.mse_loss(model(x), y)
+    group = old_ranks(data_ranks, world_size, rank)
+    if not group:
+        return 0.0 * sum(p.sum() for p in model.parameters())
+    x, y = (torch.cat(t) for t in zip(*(_batch(step, i) for i in group)))
+    return len(group) * world_size / data_ranks * torch.nn.functional.mse_loss(model(x), y)
 
 
 def _die(what: str):
@@ -159,8 +184,7 @@ def worker(args) -> None:
             _die(f"kill-between before step {t}")
         opt.set_iteration(t)
         opt.zero_grad()
-        x, y = _batch(t, rank)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        _loss(model, t, rank, hvd.size(), args.data_ranks).backward()
         opt.step()
         sched.step()
         if t % args.save_every == 0:
@@ -176,13 +200,13 @@ def worker(args) -> None:
 
 # -- the supervisor --------------------------------------------------------------------------
 
-def plan_fault(rng: random.Random, start: int, args) -> dict:
+def plan_fault(rng: random.Random, start: int, args, world_size: int) -> dict:
     """One fault: a kind (weighted by :data:`KINDS`), a step in ``start + 1 .. start +
     2·--mean-gap`` (at most ``--steps``), a rank (for a link fault: its host), and the kind's
     details. Pure given ``rng``'s state."""
     kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
     step = min(args.steps, start + rng.randint(1, 2 * args.mean_gap))
-    fault = {"kind": kind, "step": step, "rank": rng.randrange(args.ranks)}
+    fault = {"kind": kind, "step": step, "rank": rng.randrange(world_size)}
     if kind == "kill-exchange":
         fault["phase"] = rng.choice(["signs", "server"])
     elif kind == "link-down":
@@ -192,39 +216,53 @@ def plan_fault(rng: random.Random, start: int, args) -> dict:
     return fault
 
 
-def plan_attempt(rng: random.Random, start: int, budget: int, args) -> list[dict]:
-    """An attempt's faults, in step order: link faults (which the job may survive) until one
-    that kills a rank or fails a save, at most ``budget`` and at most 4."""
+def plan_attempt(rng: random.Random, start: int, budget: int, args, world_size: int) -> list[dict]:
+    """An attempt's faults on ``world_size`` ranks, in step order: link faults (which the job
+    may survive) until one that kills a rank or fails a save, at most ``budget`` and at most 4."""
     plan = []
     while len(plan) < min(budget, 4):
-        fault = plan_fault(rng, plan[-1]["step"] if plan else start, args)
+        fault = plan_fault(rng, plan[-1]["step"] if plan else start, args, world_size)
         plan.append(fault)
         if not fault["kind"].startswith("link") or fault["step"] >= args.steps:
             break
     return plan
 
 
-def latest_complete(ckpt: Path, ranks: int, refused: set) -> tuple[int, str] | None:
-    """The newest checkpoint whose ``ranks`` per-rank files all exist (written atomically, so
-    each is whole), except prefixes in ``refused``: ``(step, prefix)``, or None."""
+def _saved_world_size(path: str) -> int | None:
+    """The world size a per-rank checkpoint file was saved at (a data load), None if unreadable."""
+    from hvd_zoadam import checkpoint
+    try:
+        return checkpoint.read(path).get("rank_state", {}).get("world_size")
+    except checkpoint.CheckpointError:
+        return None
+
+
+def latest_complete(ckpt: Path, refused: set) -> tuple[int, str] | None:
+    """The newest checkpoint for which the saving job's every rank file exists (each written
+    atomically, so whole) and says the same world size as rank 0's, except prefixes in
+    ``refused``: ``(step, prefix)``, or None. (A restart at another world size that saves at a
+    step again overwrites the files of its ranks only.)"""
     steps = sorted({int(f.name[1:8]) for f in ckpt.glob("s*.rank0.pt")}, reverse=True) if ckpt.exists() else []
     for step in steps:
         prefix = str(ckpt / f"s{step:07d}")
-        if prefix not in refused and all(os.path.exists(f"{prefix}.rank{r}.pt") for r in range(ranks)):
+        world = _saved_world_size(f"{prefix}.rank0.pt")
+        if prefix not in refused and world and all(
+                os.path.exists(f"{prefix}.rank{r}.pt") and _saved_world_size(f"{prefix}.rank{r}.pt") == world
+                for r in range(1, world)):
             return step, prefix
     return None
 
 
-def _worker_cmd(net, args, run_dir: Path, resume: str | None, plan: list) -> list[str]:
-    hosts = ",".join(f"{a}:1" for a in net.addresses[:args.ranks])
+def _worker_cmd(net, args, run_dir: Path, resume: str | None, plan: list, world_size: int) -> list[str]:
+    hosts = ",".join(f"{a}:1" for a in net.addresses[:world_size])
     spec = [["--fault", f"{f['kind']}:{f['step']}:{f['rank']}:{f.get('phase', '')}"]
             for f in plan if not f["kind"].startswith("link")]
-    return ["mpirun", *net.mpirun_args(), "-H", hosts, "-np", str(args.ranks),
+    return ["mpirun", *net.mpirun_args(), "-H", hosts, "-np", str(world_size),
             "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED", "-x", "HVD_ZOADAM_TIMEOUT_S",
             "-x", "NUMBA_NUM_THREADS", "-x", "OMP_NUM_THREADS",
             "-x", "HOROVOD_FUSION_THRESHOLD",
             sys.executable, "-m", "hvd_zoadam.bench.chaos", "--dir", str(run_dir), "--steps", str(args.steps),
-            "--save-every", str(args.save_every), "--freeze", str(args.freeze),
+            "--save-every", str(args.save_every), "--freeze", str(args.freeze), "--data-ranks", str(args.ranks),
             *(["--resume", resume] if resume else []), *(spec[0] if spec else [])]
 
 
@@ -244,27 +282,33 @@ def _link(net, fault: dict, down: bool) -> None:
                         "limit", limit], check=True)
 
 
+_EVENT = re.compile(r"chaos: (step (\d+)|fault (\S+)|load failed|done, validation loss ([-\d.e]+))")
+
+
 def _read(proc, state: dict) -> None:
-    """The attempt's output, line by line: progress, fired faults, a failed load, the end."""
+    """The attempt's output: progress, fired faults, a failed load, the end. The ranks' lines
+    reach ``mpirun`` separately and may be joined, so events are found anywhere in a line."""
     for line in proc.stdout:
         state["tail"].append(line)
-        if line.startswith("chaos: step "):
-            state["step"], state["progress_at"] = int(line.split()[2]), time.monotonic()
-        elif line.startswith("chaos: fault "):
-            state["fired"].append(line.split()[2])
-        elif line.startswith("chaos: load failed"):
-            state["load_failed"] = True
-        elif line.startswith("chaos: done, validation loss "):
-            state["val_loss"] = float(line.split()[-1])
+        for event in _EVENT.finditer(line):
+            if event.group(2):
+                state["step"], state["progress_at"] = int(event.group(2)), time.monotonic()
+            elif event.group(3):
+                state["fired"].append(event.group(3))
+            elif event.group(4):
+                state["val_loss"] = float(event.group(4))
+            else:
+                state["load_failed"] = True
 
 
 def _inject_links(net, proc, state: dict, faults: list) -> None:
     """Each link fault once rank 0 reports its step, for its ``seconds``, then the link as it
-    was (also when the job ends meanwhile)."""
+    was (also when the job ends meanwhile). None once a rank's own fault has fired: the job
+    is ending, and a fault then would count without doing anything."""
     for fault in faults:
         while proc.poll() is None and state["step"] < fault["step"]:
             time.sleep(0.05)
-        if proc.poll() is not None:
+        if proc.poll() is not None or any(not kind.startswith("link") for kind in state["fired"]):
             return
         _link(net, fault, down=True)
         state["fired"].append(fault["kind"])
@@ -289,7 +333,7 @@ def _leftovers(run_dir: Path) -> list[int]:
     return [int(p) for p in found]
 
 
-def run_attempt(net, args, run_dir: Path, resume: str | None, start: int, plan: list) -> dict:
+def run_attempt(net, args, run_dir: Path, resume: str | None, start: int, plan: list, world_size: int) -> dict:
     """One ``mpirun`` of the job from ``resume`` (None: from scratch) with the faults of ``plan``.
     A hang is no progress line for ``--timeout`` + the longest outage + 90 s (launch and JIT
     on a loaded machine), or a rank left alive after ``mpirun`` ended."""
@@ -298,7 +342,7 @@ def run_attempt(net, args, run_dir: Path, resume: str | None, start: int, plan: 
                # Horovod's tensor fusion groups the VARIANCE steps' allreduces by timing, which
                # moves the last bits at P >= 3; one allreduce per tensor is reproducible.
                HOROVOD_FUSION_THRESHOLD="0")
-    cmd = ["ip", "netns", "exec", net.namespaces[0], *_worker_cmd(net, args, run_dir, resume, plan)]
+    cmd = ["ip", "netns", "exec", net.namespaces[0], *_worker_cmd(net, args, run_dir, resume, plan, world_size)]
     proc = subprocess.Popen(cmd, env=net.env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     from collections import deque
@@ -326,19 +370,22 @@ def run_attempt(net, args, run_dir: Path, resume: str | None, start: int, plan: 
 
 
 def _supervise(net, args, run_dir: Path, rng: random.Random | None) -> dict:
-    """Attempts until the job ends, a fault per attempt while fewer than ``--faults`` fired
-    (``rng`` None: no faults, the uninterrupted run)."""
+    """Attempts until the job ends, with faults while fewer than ``--faults`` fired (``rng``
+    None: no faults, the uninterrupted run); with ``--resize`` each attempt runs on ``--ranks``
+    or one rank fewer, drawn from ``rng``."""
     totals = {"attempts": 0, "restarts": 0, "steps_recomputed": 0, "checkpoints_failed_to_load": 0, "hangs": 0,
-              "faults": {kind: 0 for kind in KINDS}, "failed_attempts": []}
+              "faults": {kind: 0 for kind in KINDS}, "resized_restarts": 0, "failed_attempts": []}
     refused, reached = set(), None
     while True:
-        found = latest_complete(run_dir / "ckpt", args.ranks, refused)
+        found = latest_complete(run_dir / "ckpt", refused)
         start, resume = found if found else (0, None)
         if reached is not None:
             totals["steps_recomputed"] += max(0, reached - start)
+        world = rng.choice([args.ranks, args.ranks - 1]) if rng is not None and args.resize else args.ranks
+        totals["resized_restarts"] += bool(resume) and _saved_world_size(f"{resume}.rank0.pt") != world
         budget = args.faults - sum(totals["faults"].values())
-        plan = plan_attempt(rng, start, budget, args) if rng is not None and budget > 0 else []
-        res = run_attempt(net, args, run_dir, resume, start, plan)
+        plan = plan_attempt(rng, start, budget, args, world) if rng is not None and budget > 0 else []
+        res = run_attempt(net, args, run_dir, resume, start, plan, world)
         totals["attempts"] += 1
         for kind in res["fired"]:
             totals["faults"][kind] += 1
@@ -347,7 +394,7 @@ def _supervise(net, args, run_dir: Path, rng: random.Random | None) -> dict:
             totals["checkpoints_failed_to_load"] += 1
             refused.add(resume)
         if res["rc"] == 0 and not res["hang"]:
-            totals["val_loss"] = res["val_loss"]
+            totals.update(val_loss=res["val_loss"], final_world_size=world)
             return totals
         if rng is None:
             raise RuntimeError(f"chaos: the run without faults failed (rc {res['rc']}):\n{res['tail']}")
@@ -372,21 +419,27 @@ def run(args) -> dict:
     import tempfile
 
     from hvd_zoadam.bench.netsim import Network
+
+    def on_term(signum, _frame):  # unwind, so that `with Network(...)` removes its namespaces
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_term)
     t0 = time.perf_counter()
     with Network(args.ranks, args.rate) as net, tempfile.TemporaryDirectory(prefix="zochaos-") as tmp:
         clean = _supervise(net, args, Path(tmp) / "clean", None)
         t1 = time.perf_counter()
         chaos = _supervise(net, args, Path(tmp) / "chaos", random.Random(args.seed))
-        a, b = _finals(Path(tmp) / "chaos", args.ranks), _finals(Path(tmp) / "clean", args.ranks)
+        a = _finals(Path(tmp) / "chaos", chaos["final_world_size"])
+        b = _finals(Path(tmp) / "clean", args.ranks)
         left_tmp = sorted(f.name for f in (Path(tmp) / "chaos" / "ckpt").glob("*.tmp"))
     diff = max(float((x - y).abs().max()) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    equal = all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    return {"bench": "chaos", "seed": args.seed, "ranks": args.ranks, "steps": args.steps,
+    equal = len(a) == len(b) and all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return {"bench": "chaos", "seed": args.seed, "ranks": args.ranks, "resize": args.resize, "steps": args.steps,
             "save_every": args.save_every, "rate": args.rate, "timeout_s": args.timeout,
             "faults_injected": sum(chaos["faults"].values()), **chaos,
             "temporary_files_left": len(left_tmp), "bitwise_equal": equal, "max_abs_diff": diff,
-            "val_loss": chaos.get("val_loss"), "val_loss_uninterrupted": clean.get("val_loss"),
-            "seconds_uninterrupted": t1 - t0, "seconds_chaos": time.perf_counter() - t1}
+            "val_loss_uninterrupted": clean["val_loss"], "val_loss_vs_uninterrupted": chaos["val_loss"] / clean[
+                "val_loss"] - 1, "seconds_uninterrupted": t1 - t0, "seconds_chaos": time.perf_counter() - t1}
 
 
 def add_parser(sub) -> None:
@@ -399,6 +452,9 @@ def add_parser(sub) -> None:
     ap.add_argument("--mean-gap", type=int, default=50, help="a fault's step is 1 to 2x this past the resume")
     ap.add_argument("--seed", type=int, default=0, help="the fault injector's seed (replays a run)")
     ap.add_argument("--rate", default="1gbit", help="HTB rate of every link")
+    ap.add_argument("--resize", action="store_true",
+                    help="each attempt on --ranks or one rank fewer, at random (then the end is compared by its "
+                         "validation loss, not bit for bit)")
     ap.add_argument("--timeout", type=float, default=8.0, help="HVD_ZOADAM_TIMEOUT_S, the collective deadline")
     ap.add_argument("--json", default=None)
 
@@ -412,6 +468,7 @@ def main(argv=None) -> None:
     ap.add_argument("--freeze", type=int, required=True)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--fault", default=None, help="KIND:STEP:RANK:PHASE")
+    ap.add_argument("--data-ranks", type=int, required=True, help="the world size the data is split for")
     worker(ap.parse_args(argv))
 
 
