@@ -143,6 +143,7 @@ class LMCase:
     def build(self, transport, steps):
         import hvd_zoadam
         a = self.args
+        self.world_size = transport.world_size
         with _INIT_LOCK:
             torch.manual_seed(a.seed)
             model = self.tl.CharGPT(self.vocab, a.block_size, a.n_layer, a.n_embd, a.n_head)
@@ -154,11 +155,28 @@ class LMCase:
                                               **self.knobs)
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, self.tl.lr_lambda(a.warmup, steps))
 
-    def loss(self, model, step, rank):
+    def _batch(self, step, rank):
         a = self.args
-        x, y = self.tl.get_batch(self.train, a.batch_size, a.block_size,
+        return self.tl.get_batch(self.train, a.batch_size, a.block_size,
                                  torch.Generator().manual_seed(1_000_003 * step + 1009 * a.seed + rank))
-        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    def loss(self, model, step, rank):
+        """Rank ``rank``'s loss at ``step``. ``--lm-batches per-rank``: its own batch of
+        ``--batch-size`` sequences, so a job of P' ranks sees P'/P of the saving job's data per
+        step. ``global`` (the default): the saving job's P batches of every step split over the
+        ranks by contiguous groups (:func:`hvd_zoadam.checkpoint.old_ranks`), the loss weighted
+        by the group's share (|G|·P'/P), so the ranks' average gradient is that of the same
+        global batch at any P' (identical to ``per-rank`` at P' = P)."""
+        from hvd_zoadam.checkpoint import old_ranks
+        if self.args.lm_batches == "per-rank" or self.world_size == self.args.ranks:
+            x, y = self._batch(step, rank)
+            return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        group = old_ranks(self.args.ranks, self.world_size, rank)
+        if not group:  # more ranks than the saving job's batches: a zero gradient
+            return 0.0 * sum(p.sum() for p in model.parameters())
+        x, y = (torch.cat(t) for t in zip(*(self._batch(step, i) for i in group)))
+        share = len(group) * self.world_size / self.args.ranks
+        return share * torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
     def val_loss(self, model) -> float:
         with torch.no_grad():
@@ -284,4 +302,7 @@ def add_parser(sub) -> None:
                     help="world sizes that resume (comma-separated)")
     ap.add_argument("--json", help="also write the report here")
     lm = ap.add_argument_group("lm case")
+    lm.add_argument("--lm-batches", choices=("global", "per-rank"), default="global",
+                    help="global: every world size trains on the saving job's P batches per step (the resume "
+                         "alone is measured); per-rank: each rank its own batch (P'/P of the data per step)")
     add_model_arguments(lm, warmup_help="LR warm-up steps, also the variance freeze")
