@@ -79,3 +79,20 @@ def test_a_short_chaos_run_loses_nothing_and_ends_bitwise_equal(tmp_path):
     assert report["bitwise_equal"] and report["max_abs_diff"] == 0.0
     assert report["val_loss"] == report["val_loss_uninterrupted"]
     assert report["failed_attempts"] == []  # every failed attempt had a fault that fired
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_every_world_size_trains_on_the_same_global_batch(world_size):
+    """What --resize relies on: the mean over the ranks of their gradients at any world size is
+    the gradient of the data-ranks' global batch (3 batches of 32 rows here)."""
+    model = chaos._model()
+
+    def mean_grad(p, data_ranks=3):
+        grads = []
+        for r in range(p):
+            model.zero_grad()
+            chaos._loss(model, 17, r, p, data_ranks).backward()
+            grads.append(torch.cat([q.grad.flatten() for q in model.parameters()]))
+        return torch.stack(grads).mean(0)
+
+    torch.testing.assert_close(mean_grad(world_size), mean_grad(3), rtol=1e-5, atol=1e-7)
