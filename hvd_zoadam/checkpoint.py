@@ -157,9 +157,11 @@ def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, 
 
     Raises:
         CheckpointError: a file is unreadable or was written for another model or optimizer
-            (the message names the file and the mismatch). A bad per-rank file of this world
-            size, or a ``{prefix}.pt`` that a rank cannot read, raises on every rank, naming the
-            rank.
+            (the message names the file and the mismatch). An unreadable ``{prefix}.rank{r}.pt``
+            with r below this world size (its world size cannot be told, so it is taken for
+            rank r's own file), or a ``{prefix}.pt`` that a rank cannot read, raises on every
+            rank, naming the rank. An unreadable file of a saving rank that no rank reads as
+            its own only makes every rank take the means.
     """
     tag = f"zoadam.checkpoint.{os.path.basename(prefix)}"
     own = rank_path(prefix, optimizer.transport.rank)
@@ -178,7 +180,8 @@ def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, 
     worker = None
     if not all(ok for ok, _ in found):
         path = f"{prefix}.pt"
-        ckpt, worker = _read_common(prefix, optimizer, per_group, tag)
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        ckpt, worker = _read_common(prefix, optimizer, per_group, tag, params)
     try:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -202,7 +205,7 @@ def old_ranks(old_world: int, new_world: int, rank: int) -> list[int]:
     return range(start, start + size + (rank < longer))
 
 
-def _read_common(prefix: str, optimizer, per_group: bool, tag: str) -> tuple[dict, dict | None]:
+def _read_common(prefix: str, optimizer, per_group: bool, tag: str, params: set) -> tuple[dict, dict | None]:
     """``{prefix}.pt``, with x and m split by groups in place when every rank can split them,
     and this rank's worker error split by groups (None: the mean). The ranks agree on both in
     one allgather. Raises CheckpointError on every rank when some rank cannot read
@@ -213,7 +216,7 @@ def _read_common(prefix: str, optimizer, per_group: bool, tag: str) -> tuple[dic
     except CheckpointError as exc:
         problem = str(exc)
     if ckpt is not None and per_group:
-        split, why_not = _split_by_groups(prefix, ckpt, optimizer)
+        split, why_not = _split_by_groups(prefix, ckpt, optimizer, params)
     agreed = optimizer.transport.allgather_object((problem, why_not is None), tag + ".common")
     if problem is not None:
         raise CheckpointError(problem)
@@ -228,36 +231,38 @@ def _read_common(prefix: str, optimizer, per_group: bool, tag: str) -> tuple[dic
     return ckpt, split["worker_error"]
 
 
-def _split_by_groups(prefix: str, common: dict, optimizer) -> tuple[dict | None, str | None]:
+def _split_by_groups(prefix: str, common: dict, optimizer, params: set) -> tuple[dict | None, str | None]:
     """From this rank's group G of the saving ranks' own files (:func:`old_ranks`), with P
     saving ranks and P' now: ``({"worker_error": {pid: e'}, "model": {key: x'}, "exp_avg":
     {pid: m'}}, None)``, or ``(None, why not)``.
 
-    e' is :func:`group_worker_error`'s. x' and m' are the common file's
-    x̄ and m̄ (the means over the saving ranks inside a window of local steps) moved by the
-    group's part of the ranks' spread, x' = x̄ + (P'/P)·Σ_{i∈G}(x_i − x̄), in float64, for every
-    floating-point entry of the model's state and every ``exp_avg``: the mean over the new
-    ranks stays x̄ (the next sync owes what it did), at P' = P each rank continues its own x_i
-    and m_i, and outside a window, where every rank holds x̄, nothing moves. Memory: the
-    model's floating-point state and the momentum once more in float64, and one saving rank's
-    file at a time.
+    e' is :func:`group_worker_error`'s. When P' < P, x' and m' are the common file's x̄ and m̄
+    (the means over the saving ranks inside a window of local steps) moved by the group's part
+    of the ranks' spread, x' = x̄ + (P'/P)·Σ_{i∈G}(x_i − x̄), in float64, for the model's
+    parameters (``params``: their state-dict keys; buffers such as BatchNorm's running
+    statistics keep the common file's) and every ``exp_avg``: the mean over the new ranks stays
+    x̄ (the next sync owes what it did), and outside a window, where every rank holds x̄, nothing
+    moves. At P' = P each rank takes its own x_i and m_i as saved. At P' > P x̄ and m̄ stay (the
+    split would scale single ranks' deviations by P'/P). Memory: the parameters and the
+    momentum once more in float64, and one saving rank's file at a time.
     """
     state = common.get("error_feedback")
     if not isinstance(state, dict) or not isinstance(state.get("world_size"), int) or state["world_size"] < 1:
         return None, f"{prefix}.pt holds no pooled error feedback"
     try:
-        return _split(prefix, common, state, optimizer)
+        return _split(prefix, common, state, optimizer, params)
     except (KeyError, TypeError, AttributeError, ValueError, RuntimeError, IndexError) as exc:
         # a damaged file that still unpickles: the means, and the load says what does not fit
         return None, f"{prefix}.pt or a saving rank's file does not hold what the split needs: {exc!r}"
 
 
-def _split(prefix: str, common: dict, state: dict, optimizer) -> tuple[dict | None, str | None]:
+def _split(prefix: str, common: dict, state: dict, optimizer, params: set) -> tuple[dict | None, str | None]:
     old, new = state["world_size"], optimizer.world_size
     groups = common["optimizer"]["param_groups"]
     counters = groups[0].get("zoadam") if groups else None
-    x_mean = {k: v for k, v in common["model"].items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-    m_mean = {pid: st["exp_avg"] for pid, st in common["optimizer"]["state"].items() if "exp_avg" in st}
+    x_mean = {k: v for k, v in common["model"].items() if k in params and v.is_floating_point()} if new <= old else {}
+    m_mean = {pid: st["exp_avg"] for pid, st in common["optimizer"]["state"].items() if "exp_avg" in st} \
+        if new <= old else {}
     x_spread = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in x_mean.items()}
     m_spread = {pid: torch.zeros(v.shape, dtype=torch.float64) for pid, v in m_mean.items()}
     members = []
@@ -281,11 +286,14 @@ def _split(prefix: str, common: dict, state: dict, optimizer) -> tuple[dict | No
                 m_spread[pid] += ckpt["optimizer"]["state"][pid]["exp_avg"].double() - v.double()
         except (KeyError, RuntimeError, AttributeError) as exc:
             return None, f"{path!r} does not hold what {prefix}.pt holds: {type(exc).__name__}: {exc}"
-        del ckpt
+        own = ckpt
     try:
         worker = group_worker_error(optimizer, state, members)
     except (ValueError, KeyError, TypeError) as exc:
         return None, f"the worker errors cannot be split by groups: {exc}"
+    if new == old:  # each rank's own x and m, not x̄ plus its spread rounded back
+        return {"worker_error": worker, "model": {k: own["model"][k] for k in x_mean},
+                "exp_avg": {pid: own["optimizer"]["state"][pid]["exp_avg"] for pid in m_mean}}, None
     return {"worker_error": worker,
             "model": {k: (v.double() + x_spread[k] * new / old).to(v.dtype) for k, v in x_mean.items()},
             "exp_avg": {pid: (v.double() + m_spread[pid] * new / old).to(v.dtype) for pid, v in m_mean.items()}}, None

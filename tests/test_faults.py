@@ -261,7 +261,7 @@ def test_ranks_at_different_steps_fail_on_every_rank_naming_both_steps():
     assert time.monotonic() - start < 20
     for m in messages:
         assert "different optimizer steps: steps 5 and 6" in m and "call step()" in m
-        assert "(rank 1 at step 6, the other ranks at step 5)" in m
+        assert "(rank 0 at step 5, rank 1 at step 6)" in m  # a tie: both named
 
 
 def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
@@ -339,6 +339,17 @@ def test_set_iteration_on_some_ranks_only_is_named_and_bad_values_are_refused():
 
     for message in run_threads(2, body, timeout_s=30):
         assert "set_iteration() was called on rank(s) [0] only, at optimizer step 3" in message
+
+
+def test_a_mismatch_names_the_odd_ranks_both_sides_of_a_tie_and_a_late_set_iteration():
+    from hvd_zoadam.shell.driver import _mismatch_message
+    assert "rank 2 at iteration 6, where the other ranks are at iteration 5, all at optimizer step 5" in \
+        _mismatch_message("B", [(5, 5), (5, 5), (5, 6)])
+    assert "rank 0 at iteration 6, rank 1 at iteration 5, all at optimizer step 5" in \
+        _mismatch_message("B", [(5, 6), (5, 5)])
+    assert _mismatch_message("B", [(5, None), (6, None), (5, None)]) == "B (rank 1 at step 6, the other ranks at step 5)"
+    # every rank began the step announcing the same: set_iteration() came between the hooks and step()
+    assert "call set_iteration() before backward()" in _mismatch_message("B", [(5, 3), (5, 3)])
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape"])

@@ -370,3 +370,43 @@ def test_the_two_level_exchange_takes_the_mean(tmp_path, side):
     for worker, lo, hi, x in got:
         assert torch.equal(worker[:hi - lo], mean[lo:hi])
         assert torch.equal(x, torch.cat([common["model"][str(i)] for i in range(2)]))
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.full((n,), 0.1)) for n in (37, 5, 1, 64))
+        self.register_buffer("running_var", torch.ones(3))
+
+
+def test_the_group_split_leaves_buffers_alone_and_keeps_the_means_past_the_saving_world_size(tmp_path):
+    """Buffers (here a running variance of 1.0 on rank 0 and 0.4 on the others, per rank as
+    BatchNorm's are) are not split: the spread would push one rank's below 0. At P' > P the
+    parameters are the common file's means on every rank (a split would scale single ranks'
+    deviations by P'/P); at P' < P they are split."""
+    prefix = str(tmp_path / "ckpt")
+
+    def build(transport):
+        model = _WithBuffer()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), transport=transport,
+                                              named_parameters=model.named_parameters(), **WINDOW)
+        return model, opt
+
+    def save(rank, transport):
+        model, opt = build(transport)
+        _train(model.w, opt, rank, 12)
+        model.running_var.fill_(1.0 if rank == 0 else 0.4)
+        checkpoint.save(prefix, model, opt, step=12)
+
+    run_threads(4, save)
+    common = checkpoint.read(prefix + ".pt")["model"]
+    for world in (2, 5):
+        def load(rank, transport):
+            model, opt = build(transport)
+            checkpoint.load(prefix, model, opt)
+            return model.running_var.clone(), torch.cat([q.detach() for q in model.w])
+        got = run_threads(world, load)
+        x_mean = torch.cat([common[f"w.{i}"] for i in range(4)])
+        for var, x in got:
+            assert torch.equal(var, torch.ones(3))
+            assert torch.equal(x, x_mean) == (world == 5)

@@ -255,37 +255,54 @@ class StepDriver:
 
     def _naming_ranks(self, exchange, *args, **kwargs):
         """``exchange(*args, **kwargs)``; a :class:`StepMismatchError` is raised again naming
-        the ranks that announced another value than most ranks. Every rank reads the same round-2
-        flags, so every rank gets here together: one allgather of what each announced."""
+        the ranks that announced another value than most ranks. In the flat exchange every rank
+        reads every server's round-2 flags, so every rank gets here together: one allgather of
+        what each announced. In the two-level exchange a shard's check may reach one node only,
+        so no collective runs there: the message gives this rank's own step and iteration."""
         try:
             return exchange(*args, **kwargs)
         except StepMismatchError as exc:
+            if self._engine.topology() is not None:
+                step, iteration = self._announcing
+                raise StepMismatchError(f"{exc} (rank {self.transport.rank}: optimizer step {step}, iteration "
+                                        f"{iteration})") from None
             seen = self.transport.allgather_object(self._announcing, f"zoadam.{self._collectives.prefix}.mismatch")
             raise StepMismatchError(_mismatch_message(str(exc), seen)) from None
 
 
+def _odd_ones(values: list) -> tuple:
+    """``(the value most ranks hold, "rank r at V, ..." for the others)``; on a tie for the most
+    common value, ``(None, every rank's value)``."""
+    counts = Counter(values).most_common(2)
+    usual = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
+    return usual, ", ".join(f"rank {r} at {v}" for r, v in enumerate(values) if v != usual)
+
+
 def _mismatch_message(base: str, seen: list) -> str:
     """The message of a step mismatch, from every rank's ``(optimizer step, iteration or None)``
-    (``base``: the exchange's own message). Names the ranks that differ from most ranks: in the
-    iteration when the steps agree (a rank skipped or repeated a whole iteration), else in the
-    step."""
+    as its step began (``base``: the exchange's own message). Names the ranks that differ from
+    most ranks (all of them on a tie): in the iteration when the steps agree (a rank skipped or
+    repeated a whole iteration), else in the step."""
     steps = [t for t, _ in seen]
     iterations = [i for _, i in seen]
+    restart = "; restart from the last checkpoint"
+    if len(set(steps)) == 1 and len(set(iterations)) == 1:  # what was announced changed during the step
+        return (f"{base} (every rank began optimizer step {steps[0]} at iteration {iterations[0]}: call "
+                "set_iteration() before backward(), on every rank)")
     if len(set(steps)) == 1 and None in iterations:
         given = [r for r, i in enumerate(iterations) if i is not None]
         return (f"hvd_zoadam: set_iteration() was called on rank(s) {given} only, at optimizer step {steps[0]}: "
                 "call it on every rank before each backward(), or on none")
     if len(set(steps)) == 1:
-        usual = Counter(iterations).most_common(1)[0][0]
-        odd = ", ".join(f"rank {r} at iteration {i}" for r, i in enumerate(iterations) if i != usual)
-        return (f"hvd_zoadam: a rank skipped or repeated a whole iteration: {odd}, where the other ranks are at "
-                f"iteration {usual}, all at optimizer step {steps[0]}. Every rank must run backward() and "
-                "step() at every iteration (to leave out a bad batch, zero its loss on that rank); restart "
-                "from the last checkpoint")
-    usual = Counter(steps).most_common(1)[0][0]
-    odd = ", ".join(f"rank {r} at step {t}" for r, t in enumerate(steps) if t != usual)
+        usual, odd = _odd_ones(iterations)
+        where = f", where the other ranks are at iteration {usual}" if usual is not None else ""
+        return (f"hvd_zoadam: a rank skipped or repeated a whole iteration: {odd.replace(' at ', ' at iteration ')}"
+                f"{where}, all at optimizer step {steps[0]}. Every rank must run backward() and step() at every "
+                f"iteration (to leave out a bad batch, zero its loss on that rank){restart}")
+    usual, odd = _odd_ones(steps)
+    odd = odd.replace(" at ", " at step ")
+    others = f", the other ranks at step {usual}" if usual is not None else ""
     if None in iterations:
-        return f"{base} ({odd}, the other ranks at step {usual})"
-    return (f"hvd_zoadam: ranks are at different optimizer steps: {odd}, the other ranks at step {usual}. "
-            "Every rank must call step() (or skip_synchronize()/synchronize() alike) at every iteration; "
-            "restart from the last checkpoint")
+        return f"{base} ({odd}{others})"
+    return (f"hvd_zoadam: ranks are at different optimizer steps: {odd}{others}. Every rank must call step() "
+            f"(or skip_synchronize()/synchronize() alike) at every iteration{restart}")
