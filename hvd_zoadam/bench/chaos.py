@@ -1,6 +1,6 @@
 """Faults at random over a long run: ``python -m hvd_zoadam.bench chaos`` (needs root).
 
-A small regression MLP (5.4 k weights, a cosine learning rate, past the variance freeze into
+A small regression MLP (5,508 weights, a cosine learning rate, past the variance freeze into
 windows of local steps) trains for ``--steps`` steps on ``--ranks`` ranks under ``mpirun`` on
 :mod:`hvd_zoadam.bench.netsim`'s simulated hosts, one rank per host, checkpointing every
 ``--save-every`` steps with :func:`hvd_zoadam.checkpoint.save`. A supervisor restarts the job
@@ -12,16 +12,17 @@ until one that kills a rank or fails a save):
 * ``kill-between``: SIGKILL of a rank between two steps;
 * ``kill-exchange``: SIGKILL of a rank as it starts round 1 (``.signs``) or round 2
   (``.server``) of a 1-bit exchange;
-* ``kill-save``: SIGKILL of a rank halfway through writing its checkpoint file (it leaves its
-  temporary file behind, as a real kill does);
+* ``kill-save``: SIGKILL of a rank inside :func:`hvd_zoadam.checkpoint.save`, after the
+  save's collectives and before its own file is written (it leaves a partial
+  ``*.killed.tmp`` file behind, as a kill during the write would leave the temporary file);
 * ``disk-full``: a rank's checkpoint write fails (``RLIMIT_FSIZE`` of 4 KiB, ``SIGXFSZ``
   ignored: ``OSError`` EFBIG, as ENOSPC from a full disk), so the job ends with that error;
 * ``link-down``: one host's link taken down at the bridge for a random time (0.5 to 1.5× the
   collective deadline), then up again; shorter outages are survived;
 * ``link-degraded``: one host's link cut to 2 Mbit/s with a 4-packet queue (tail drops,
-  retransmissions, queueing delay) for 1 to 6 s. This kernel has no ``netem``, ``gact`` or
-  ``iptables``, so random loss and fixed added latency cannot be injected; a starved link
-  is the nearest fault HTB and pfifo can make.
+  retransmissions, queueing delay) for 1 to 6 s. The kernel these runs were measured on has
+  no ``netem``, ``gact`` or ``iptables``, so random loss and fixed added latency are not
+  injected; a starved link is the nearest fault HTB and pfifo can make.
 
 With ``--resize`` each attempt runs on ``--ranks`` or one rank fewer, drawn from the seed, and
 resumes through :func:`hvd_zoadam.checkpoint.load` at the other world size where the
@@ -33,8 +34,8 @@ The collective deadline is ``--timeout`` (``HVD_ZOADAM_TIMEOUT_S``). Every rank 
 ``set_iteration`` so ranks that went apart would be named. The report (JSON): faults fired
 by kind, attempts, restarts, steps recomputed (the steps a failed attempt had done past the
 checkpoint the next one resumed from), checkpoints that failed to load (must be 0), hangs (an
-attempt with no progress for ``--timeout`` + the longest link outage + 60 s, or a rank
-process left after ``mpirun`` ended; must be 0), temporary files left by killed saves, and the
+attempt with no progress for 2.5 × ``--timeout`` + 90 s, or a rank process left after
+``mpirun`` ended; must be 0), temporary files left by killed saves, and the
 final parameters of every rank against an uninterrupted run of the same seed (without
 ``--resize`` bitwise equal: every restart keeps the world size, and a resume from every rank's
 own file is exact; Horovod's tensor fusion is off, see :func:`run_attempt`).
@@ -449,7 +450,9 @@ def add_parser(sub) -> None:
     ap.add_argument("--save-every", type=int, default=25, help="checkpoint interval, steps")
     ap.add_argument("--freeze", type=int, default=200, help="var_freeze_step (also local_step_scaler)")
     ap.add_argument("--faults", type=int, default=50, help="inject faults until this many have fired")
-    ap.add_argument("--mean-gap", type=int, default=50, help="a fault's step is 1 to 2x this past the resume")
+    ap.add_argument("--mean-gap", type=int, default=50,
+                    help="a fault's step is 1 to 2x this many steps past the previous fault of its attempt "
+                         "(the first: past the resume)")
     ap.add_argument("--seed", type=int, default=0, help="the fault injector's seed (replays a run)")
     ap.add_argument("--rate", default="1gbit", help="HTB rate of every link")
     ap.add_argument("--resize", action="store_true",

@@ -106,7 +106,7 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
               "--out", str(out), "--eval-every", str(args.eval_every),
               *(["--breakdown"] if _breaks_down(run, args) else []), *args.model_args]
     # Open MPI's default allreduce choice runs 40% below the line rate at 100 Mbit: pin
-    # recursive doubling (benchmark-facts §2), so Horovod's baseline is not handicapped.
+    # recursive doubling, so Horovod's baseline is not handicapped.
     cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
            "--mca", "coll_tuned_allreduce_algorithm", "3", "-H", hosts, "-np", str(len(net.addresses)),
            "-x", "PATH", "-x", "PYTHONPATH", "-x", "HVD_ZOADAM_ROOT", "-x", "PYTHONUNBUFFERED",

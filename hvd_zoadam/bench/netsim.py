@@ -14,8 +14,9 @@ What it makes, and nothing else (the root namespace is never touched):
   tag), its peer ``h<k>`` on the bridge; loopback up;
 * shaping (``--rate``): ``htb default 10 r2q 1000`` + ``class htb rate R ceil R`` +
   ``pfifo limit 1000`` on the egress of both ends of each link (HTB: TBF's bursts made
-  64 MB collectives vary by 50%; see shared/notes/benchmark-facts.md). **Latency cannot
-  be added**: this kernel has no netem; the base RTT stays at about 0.05 ms.
+  64 MB collectives vary by 50%). **Latency cannot be added** where the kernel has no
+  netem (as on the machine these benchmarks were measured on); the base RTT stays at about
+  0.05 ms.
 
 The launch agent (``<dir>/ssh``, also ``<dir>/nsssh``) takes ssh's command line
 (``[-o opt] [-p port] ... host command...``) and runs the command through
@@ -174,7 +175,7 @@ class Network:
         env.update(PATH=f"{self.dir}:{env.get('PATH', '')}", ZO_HOSTS=",".join(self.addresses),
                    ZO_SUBNET=self.subnet, ZO_AGENT=str(self.dir / "ssh"), ZO_IFACE=IFACE,
                    ZO_MPIRUN_ARGS=" ".join(shlex.quote(a) for a in self.mpirun_args()),
-                   # PMIx must accept connections from the other namespaces (benchmark-facts §2).
+                   # PMIx must accept connections from the other namespaces.
                    PMIX_MCA_ptl_tcp_remote_connections="1", PMIX_MCA_ptl_tcp_if_include=self.subnet)
         return env
 
