@@ -194,7 +194,7 @@ def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, 
     return ckpt["extra"]
 
 
-def old_ranks(old_world: int, new_world: int, rank: int) -> list[int]:
+def old_ranks(old_world: int, new_world: int, rank: int) -> range:
     """The saving ranks whose worker errors rank ``rank`` of a job of ``new_world`` ranks takes
     over (:func:`group_worker_error`): group ``rank`` of
     ``range(old_world)`` cut into ``new_world`` contiguous groups, the first

@@ -79,19 +79,10 @@ def _batch(step: int, rank: int, n: int = 32):
 
 
 def _loss(model, step: int, rank: int, world_size: int, data_ranks: int) -> torch.Tensor:
-    """Rank ``rank``'s loss: of the ``data_ranks`` batches of each step (the job's size when
-    not resized), its contiguous group's (:func:`hvd_zoadam.checkpoint.old_ranks`), weighted
-    by the group's share, so that the ranks' average gradient is the same global batch's at
-    any world size (its own batch alone when ``world_size == data_ranks``)."""
-    from hvd_zoadam.checkpoint import old_ranks
-    if world_size == data_ranks:
-        x, y = _batch(step, rank)
-        return torch.nn.functional.mse_loss(model(x), y)
-    group = old_ranks(data_ranks, world_size, rank)
-    if not group:
-        return 0.0 * sum(p.sum() for p in model.parameters())
-    x, y = (torch.cat(t) for t in zip(*(_batch(step, i) for i in group)))
-    return len(group) * world_size / data_ranks * torch.nn.functional.mse_loss(model(x), y)
+    """Rank ``rank``'s loss on step ``step``'s ``data_ranks`` batches (the job's size when not
+    resized), the same global batch at any world size (:func:`hvd_zoadam.bench.group_loss`)."""
+    from hvd_zoadam.bench import group_loss
+    return group_loss(model, lambda i: _batch(step, i), torch.nn.functional.mse_loss, data_ranks, world_size, rank)
 
 
 def _die(what: str):

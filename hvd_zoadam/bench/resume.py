@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from hvd_zoadam.bench import group_loss
 from hvd_zoadam.bench.lm import add_model_arguments
 from hvd_zoadam.comm.transport import ThreadGroup
 
@@ -164,25 +165,21 @@ class LMCase:
         """Rank ``rank``'s loss at ``step``. ``--lm-batches per-rank``: its own batch of
         ``--batch-size`` sequences, so a job of P' ranks sees P'/P of the saving job's data per
         step. ``global`` (the default): the saving job's P batches of every step split over the
-        ranks by contiguous groups (:func:`hvd_zoadam.checkpoint.old_ranks`), the loss weighted
-        by the group's share (|G|·P'/P), so the ranks' average gradient is that of the same
-        global batch at any P' (identical to ``per-rank`` at P' = P)."""
-        from hvd_zoadam.checkpoint import old_ranks
-        if self.args.lm_batches == "per-rank" or self.world_size == self.args.ranks:
-            x, y = self._batch(step, rank)
-            return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        group = old_ranks(self.args.ranks, self.world_size, rank)
-        if not group:  # more ranks than the saving job's batches: a zero gradient
-            return 0.0 * sum(p.sum() for p in model.parameters())
-        x, y = (torch.cat(t) for t in zip(*(self._batch(step, i) for i in group)))
-        share = len(group) * self.world_size / self.args.ranks
-        return share * torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        ranks by contiguous groups, the loss weighted by the group's share
+        (:func:`hvd_zoadam.bench.group_loss`), so the ranks' average gradient is that of the
+        same global batch at any P' (identical to ``per-rank`` at P' = P)."""
+        data_ranks = self.world_size if self.args.lm_batches == "per-rank" else self.args.ranks
+        return group_loss(model, lambda i: self._batch(step, i), _cross_entropy, data_ranks, self.world_size, rank)
 
     def val_loss(self, model) -> float:
         with torch.no_grad():
             losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
                       for x, y in self.val_batches]
         return sum(losses) / len(losses)
+
+
+def _cross_entropy(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def _threads(world_size: int, fn):
