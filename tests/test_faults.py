@@ -227,6 +227,49 @@ def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step(scal
 
 
 
+@pytest.mark.parametrize("pattern", ["plain", "clip-on-one-rank", "lr-changed"])
+def test_a_sync_steps_exchange_starts_in_backward_and_a_late_change_is_exchanged_as_it_is(pattern):
+    """Past the freeze the hooks take a SYNC step's local update on copies of x and m and start
+    each bucket's round 1 during backward(), except at the first step after the freeze (which
+    sets the anchor in step()). The parameters equal overlap=False bit for bit; a gradient
+    clipped after backward() on one rank, or a learning rate changed between backward() and
+    step(), is exchanged as it is at step() on every rank."""
+    knobs = dict(var_freeze_step=2, var_update_scaler=1, local_step_scaler=32768, local_step_clipper=1)
+    kinds = [hvd_zoadam.Schedule(**knobs).kind(t) for t in range(1, 9)]
+    assert kinds[2:] == [StepKind.SYNC] * 6
+
+    def body(rank, transport, overlap):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR),
+                                              transport=transport, overlap=overlap,
+                                              bucket_cap_mb=40 * 4 / 2 ** 20, **knobs)
+        during_backward = []  # SYNC rounds started by the hooks, per step
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for t in range(1, 9):
+                opt.zero_grad()
+                before = opt.transport.counter.rounds["sync"]
+                common.loss_fn(model, t, rank).backward()
+                during_backward.append(opt.transport.counter.rounds["sync"] - before)
+                if pattern == "clip-on-one-rank" and t == 5 and rank == 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+                if pattern == "lr-changed" and t == 6:
+                    for group in opt.param_groups:
+                        group["lr"] = group["lr"] * 0.5
+                opt.step()
+        return [q.detach().clone() for q in model.parameters()], during_backward, len(opt._buckets), opt._warned_changed
+
+    early = run_threads(2, lambda r, tr: body(r, tr, True))
+    plain = run_threads(2, lambda r, tr: body(r, tr, False))
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(early[r][0], plain[r][0]))
+        nb = early[r][2]
+        assert nb >= 3
+        assert early[r][1] == [0, 0, 0] + [nb] * 5  # step 3 is the first after the freeze
+        assert plain[r][1] == [0] * 8
+        assert early[r][3] is (pattern != "plain")  # both ranks redid the exchange
+
+
 def _fault_opt(transport):
     model = common.mlp()
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
@@ -266,7 +309,8 @@ def test_ranks_at_different_steps_fail_on_every_rank_naming_both_steps():
 
 def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
     """Rank 1 skips one whole iteration: the counters still agree step by step, so the ranks pair
-    up until rank 0's last step, whose exchange ends within the timeout, naming its collective."""
+    up until rank 0's last step, a SYNC step whose first collective (the "gradients changed after
+    backward?" flag of the exchange the hooks started) ends within the timeout, naming itself."""
     from hvd_zoadam.comm.transport import CollectiveTimeoutError
 
     def body(rank, transport):
@@ -280,8 +324,8 @@ def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
         return opt.schedule_state()["step"]
 
     start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match=r"the alltoall 'zoadam\.[0-9a-f]+\.b0\.signs' did not "
-                                                     r"complete within 5 s"):
+    with pytest.raises(CollectiveTimeoutError, match=r"the allreduce 'zoadam\.[0-9a-f]+\.grads_changed\.8' did "
+                                                     r"not complete within 5 s"):
         run_threads(2, body, timeout_s=5)
     assert time.monotonic() - start < 15
 

@@ -133,23 +133,26 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
     s = max(chunk_pieces(segment_offsets([96, 16, 48, 3]), big_n // p, p)[1])
     words = lambda nbytes: -(-nbytes // 4) * 4  # noqa: E731 - messages are whole 4-byte words
     per_exchange = (p - 1) * (words(4 * s + 4 + big_n // p // 8) + words(12 + 4 * s + big_n // p // 8))
-    # overlap (the default): from step 2 on, each VARIANCE and COMPRESSED step also allreduces a
-    # float32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed)
+    # overlap (the default): from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allreduces a
+    # float32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed, nor
+    # is the first step after the freeze, a SYNC step that sets the anchor in step())
     flags = stats["variance"]["steps"] - 1
+    sync_flags = stats["sync"]["steps"] - 1
     flag_bytes = 2 * (p - 1) / p * 4
     assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n + flags)
                * 2 * (p - 1) / p * 4) <= 1
     assert stats["variance"]["rounds"] == stats["variance"]["steps"] + flags
     assert stats["compressed"]["rounds"] == 3 * stats["compressed"]["steps"]
     assert abs(stats["compressed"]["bytes_sent"] - stats["compressed"]["steps"] * (per_exchange + flag_bytes)) <= 1
-    assert abs(stats["sync"]["bytes_sent"] - stats["sync"]["steps"] * per_exchange) <= 1
+    assert abs(stats["sync"]["bytes_sent"] - (stats["sync"]["steps"] * per_exchange + sync_flags * flag_bytes)) <= 1
+    assert stats["sync"]["rounds"] == 2 * stats["sync"]["steps"] + sync_flags
     assert abs(stats["adam_equivalent_bytes"] - common.TRAIN_STEPS * 2 * (p - 1) / p * 4 * n) <= 1
     assert stats["bytes_sent_total"] < stats["adam_equivalent_bytes"] / 3
 
 
 def test_overlap_with_backward_gives_the_same_parameters(job):
-    """The hooks start VARIANCE allreduces and COMPRESSED steps' worker side and round 1
-    early, and the 1-bit exchanges pipeline the buckets; with several buckets the result equals
+    """The hooks start VARIANCE allreduces, COMPRESSED steps' worker side and round 1, and SYNC
+    steps' local update, worker side and round 1 early, and the 1-bit exchanges pipeline the buckets; with several buckets the result equals
     overlap=False bit for bit, on every rank."""
     p, ranks = job
     for r in ranks:
@@ -160,14 +163,14 @@ def test_overlap_with_backward_gives_the_same_parameters(job):
         else:  # Horovod may fuse the early allreduces differently: the sum order of 3+ ranks moves the last bits
             for a, b in zip(on["params"], off["params"]):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        assert on["stats"]["sync"] == off["stats"]["sync"]
-        c_on, c_off = on["stats"]["compressed"], off["stats"]["compressed"]
-        # the same exchanges, plus one 4-byte "gradients changed?" flag per COMPRESSED step (P > 1:
-        # a single process sends nothing and starts nothing early)
-        flags = c_on["steps"] if p > 1 else 0
-        assert c_on["steps"] == c_off["steps"] > 0
-        assert c_on["rounds"] == c_off["rounds"] + flags
-        assert c_on["bytes_sent"] == pytest.approx(c_off["bytes_sent"] + flags * 2 * (p - 1) / p * 4, abs=1)
+        for kind, unarmed in (("compressed", 0), ("sync", 1)):
+            on_k, off_k = on["stats"][kind], off["stats"][kind]
+            # the same exchanges, plus one 4-byte "gradients changed?" flag per COMPRESSED step and per
+            # SYNC step but the first after the freeze (P > 1: a single process starts nothing early)
+            flags = on_k["steps"] - unarmed if p > 1 else 0
+            assert on_k["steps"] == off_k["steps"] > 1
+            assert on_k["rounds"] == off_k["rounds"] + flags
+            assert on_k["bytes_sent"] == pytest.approx(off_k["bytes_sent"] + flags * 2 * (p - 1) / p * 4, abs=1)
 
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])

@@ -56,7 +56,7 @@ class StepDriver:
         """(step, kind) of the coming step for the hooks; kind None when the algorithm's step
         exchanges what it needs itself (nothing to start early)."""
         step, kind = self._next_kind()
-        return step, kind if self.algorithm.gradient_exchange(kind) is not None else None
+        return step, kind if self.algorithm.starts_early(step, kind) else None
 
     def _can_overlap(self) -> bool:
         # Not before the first step's settings check (a mismatch must fail fast, not hang in a
@@ -90,8 +90,14 @@ class StepDriver:
         window.seen[bi] = [(p.grad, p.grad._version if p.grad is not None else None) for p in b.params]
         if window.kind is StepKind.VARIANCE:
             window.averages[bi] = self._average.start(bi, b, self._engine.inv_grad_scale, copy=True)
-        else:
+        elif window.kind is StepKind.COMPRESSED:
             window.scales[bi] = self._start_compressed(bi, window.step, window.pre)
+        else:
+            if window.lrs is None:
+                window.lrs = self._lrs()
+            handle = self._start_sync(bi, window.step)
+            if handle is not None:
+                window.scales[bi] = handle
 
     def _start_compressed(self, bi: int, step: int, pre: dict):
         """Fill bucket ``bi``'s exchange input for a COMPRESSED step (``pre`` caches the
@@ -102,6 +108,20 @@ class StepDriver:
         self.algorithm.fill_compressed(self._engine, b, b.exchange.input, pre[bi])
         b.exchange.step = self._announced(step)
         return b.exchange.start(b.exchange.input)
+
+    def _start_sync(self, bi: int, step: int):
+        """Fill bucket ``bi``'s exchange input for a SYNC step (the window's update after this
+        step's local update, which ``step()`` takes for real) and start round 1. Returns round 1's
+        handle, or None for a bucket whose window did not move (it sends nothing)."""
+        b = self._buckets[bi]
+        if not self.algorithm.sync_input(self._engine, b, step, self._counters, b.exchange.input):
+            return None
+        b.exchange.step = self._announced(step)
+        return b.exchange.start(b.exchange.input)
+
+    def _lrs(self) -> list:
+        """What a SYNC step's early input read besides the gradients: each group's lr and weight decay."""
+        return [(float(g["lr"]), g["weight_decay"]) for g in self.param_groups]
 
     def _drain(self, window) -> None:
         for handle in (window.handles() if window is not None and window.kind is not None else ()):
@@ -116,7 +136,7 @@ class StepDriver:
         for b in self._buckets:
             b.exchange.step = announced  # announced in round 1: ranks at different steps fail fast
         how = self.algorithm.gradient_exchange(kind)
-        armed = how is not None and self._can_overlap()  # the same on every rank
+        armed = self.algorithm.starts_early(step, kind) and self._can_overlap()  # the same on every rank
         self._engine.check_params_unchanged()
         self._adopt_loaded_adam()
         if not self._checked_layout:
@@ -126,6 +146,8 @@ class StepDriver:
             self.transport.counter.kind = kind.value
             self._redo_if_changed(step, kind)
         window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
+        if kind is StepKind.SYNC and window is not None:  # completed by the step function's exchange
+            self._sync_started = {id(self._buckets[bi]): handle for bi, handle in window.scales.items()}
         skip = False
         self._exchanged = how is not None and self.world_size > 1
         if self._exchanged:
@@ -155,8 +177,11 @@ class StepDriver:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
     def _grads_changed_here(self) -> bool:
-        """Whether a gradient the hooks' exchange read was replaced or modified since."""
+        """Whether a gradient the hooks' exchange read was replaced or modified since (or, for a
+        SYNC step, a learning rate or weight decay)."""
         window = self._overlap.window
+        if window is not None and window.lrs is not None and window.lrs != self._lrs():
+            return True
         for bi, seen in (window.seen if window is not None else {}).items():
             if any(p.grad is not grad or (grad is not None and grad._version != version)
                    for p, (grad, version) in zip(self._buckets[bi].params, seen)):
@@ -186,7 +211,11 @@ class StepDriver:
                     self.transport.wait(handle)
             else:
                 handle = scales.pop(bi, None)
-                self.transport.wait(handle if handle is not None else self._start_compressed(bi, step, pre))
+                if handle is None:
+                    handle = (self._start_compressed(bi, step, pre) if kind is StepKind.COMPRESSED
+                              else self._start_sync(bi, step))
+                if handle is not None:
+                    self.transport.wait(handle)
         self._overlap.window = None
         if not self._warned_changed:
             self._warned_changed = True
@@ -243,9 +272,19 @@ class StepDriver:
         return loss
 
     def _exchange(self, buckets, fill, consume, consume_packed=None) -> bool:
-        """The 1-bit exchange of ``buckets`` for a step function (see :func:`.protocol.exchange_buckets`)."""
+        """The 1-bit exchange of ``buckets`` for a step function (see :func:`.protocol.exchange_buckets`),
+        in launch order, completing the rounds 1 the hooks started (a SYNC step's)."""
+        index = {id(b): i for i, b in enumerate(self._buckets)}
+        buckets = sorted(buckets, key=lambda b: -index[id(b)])  # Overlap.launch_order
+        started, self._sync_started = self._sync_started, {}
         return self._naming_ranks(exchange_buckets, buckets, self._engine.scratch["g"], self._engine.scratch["w"],
-                                  fill, consume, consume_packed)
+                                  fill, consume, consume_packed, started=started)
+
+    def _drain_sync_started(self) -> None:
+        """Wait for the rounds 1 of a SYNC step that will not run (a load or a reset before step())."""
+        started, self._sync_started = self._sync_started, {}
+        for handle in started.values():
+            self.transport.wait(handle)
 
     def _announced(self, step: int) -> int:
         """What the coming step's 1-bit exchanges announce in round 1 (int32): the iteration of

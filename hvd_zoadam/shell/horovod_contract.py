@@ -179,6 +179,7 @@ class HorovodContract:
         self._synchronized = False
         self._exchanged = False
         self._overlap = Overlap(len(self._buckets))  # handles of the old world: dropped, not waited for
+        self._sync_started = {}
         self._reset_passes()
 
     def pool_errors_after_reset(self) -> int:

@@ -126,6 +126,7 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
         self._checked_layout = False
         self._amp_seen = False
         self._warned_changed = False
+        self._sync_started = {}       # SYNC: id(bucket) -> round 1 the hooks started, for step()
         self._stats = CommStats()
         self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
         for index, group in enumerate(self.param_groups):

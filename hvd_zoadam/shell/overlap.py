@@ -8,7 +8,8 @@ One object per optimizer, in one of three explicit phases:
 * ``OPEN``: buckets start as they become ready, in launch order (last bucket first,
   because backward produces the last layers' gradients first; the same order on every
   rank, as MPI requires). A VARIANCE step starts its allreduces; a COMPRESSED step its
-  worker side and round 1. Other kinds start nothing (their window is empty).
+  worker side and round 1; a SYNC step its local update (on copies), the window's update
+  and round 1. LOCAL steps start nothing (their window is empty).
 * ``CLOSED``: ``synchronize()`` has taken the window; nothing more starts until the step
   ends (:meth:`Overlap.reset`).
 
@@ -34,7 +35,7 @@ class Window:
     """What the hooks started for one coming step.
 
     ``averages``: bucket index -> started allreduces (VARIANCE); ``scales``: bucket index ->
-    round 1 handle (COMPRESSED); ``pre``: bucket index -> the preconditioning the worker side
+    round 1 handle (COMPRESSED, SYNC); ``pre``: bucket index -> the preconditioning the worker side
     used; ``seen``: bucket index -> [(p.grad, its version)] the exchange read, to detect a
     gradient changed afterwards."""
 
@@ -44,6 +45,7 @@ class Window:
     scales: dict = field(default_factory=dict)
     pre: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
+    lrs: list | None = None  # SYNC: each group's (lr, weight decay) the early inputs used
 
     def handles(self) -> list:
         """Every started handle (to wait for when the window is dropped)."""
@@ -51,7 +53,7 @@ class Window:
         return out + list(self.scales.values())
 
 
-EARLY_KINDS = (StepKind.VARIANCE, StepKind.COMPRESSED)
+EARLY_KINDS = (StepKind.VARIANCE, StepKind.COMPRESSED, StepKind.SYNC)
 
 
 class Overlap:

@@ -231,6 +231,7 @@ class StateDictMixin:
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
+        self._drain_sync_started()
         self._pending = None
         for p in self._passes:
             self._passes[p] = 0

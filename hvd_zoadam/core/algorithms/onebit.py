@@ -40,6 +40,11 @@ class OnebitAdam:
     def gradient_exchange(self, kind: StepKind):
         return self.GRADIENT_EXCHANGE[kind]
 
+    def starts_early(self, step: int, kind: StepKind) -> bool:
+        """Whether the backward hooks may start step ``step``'s exchange: the gradient average
+        of the warm-up only (the momentum exchange runs in ``step()``)."""
+        return self.gradient_exchange(kind) is not None
+
     def settings(self) -> dict:
         """The settings every rank must share (for the layout check)."""
         return {"algorithm": self.name, "freeze_step": self.freeze_step}

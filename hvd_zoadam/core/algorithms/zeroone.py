@@ -43,6 +43,14 @@ class ZeroOneAdam:
     def gradient_exchange(self, kind: StepKind):
         return self.GRADIENT_EXCHANGE[kind]
 
+    def starts_early(self, step: int, kind: StepKind) -> bool:
+        """Whether the backward hooks may start step ``step``'s exchange before ``step()``: the
+        gradient exchanges, and a SYNC step's exchange of the window's update except at the
+        first step after the freeze (which sets the anchor in ``step()``)."""
+        if kind is StepKind.SYNC:
+            return step != self.schedule.var_freeze_step + 1
+        return self.gradient_exchange(kind) is not None
+
     def settings(self) -> dict:
         """The settings every rank must share (for the layout check)."""
         items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
@@ -108,31 +116,53 @@ class ZeroOneAdam:
         for group in engine.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
-    def local_update(self, ctx: StepContext, b, h: kinds.Hyper, denom):
+    def local_update(self, engine, b, h: kinds.Hyper, denom, x=None, exp_avg=None):
         """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
-        is not finite, algorithm.md §5). Returns x, float32[n], not yet scattered."""
-        engine = ctx.engine
+        is not finite, algorithm.md §5). Returns x, float32[n], not yet scattered.
+
+        ``x``, ``exp_avg``: where to take the step (float32[n] each), by default the bucket's own
+        x (:meth:`Engine.load_x`) and m; :meth:`sync_input` passes copies."""
         g = engine.scratch["g"]
         engine.grads_into(b, g)
-        x = engine.load_x(b)
+        x = engine.load_x(b) if x is None else x
+        exp_avg = b.exp_avg if exp_avg is None else exp_avg
         if native.all_finite(g[:b.numel]):
             if self.precondition_compression:
                 # v is frozen: bound |g|/s as Adam would once v had seen g (see compressed_pre)
                 native.clamp_by(g[:b.numel], denom,
                                 kinds.normalized_gradient_bound(h, engine.transport.world_size))
-            kinds.momentum_step(x, g[:b.numel], b.exp_avg, denom, h, engine.mask_of(b))
+            kinds.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
         return x
 
     def local_step(self, ctx: StepContext, k: int) -> None:
         engine = ctx.engine
         for b in engine.buckets:
             h = engine.hyper(b, ctx.step, k)
-            x = self.local_update(ctx, b, h, kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel)))
+            x = self.local_update(engine, b, h, kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel)))
             engine.scatter(x, b.params)
         advance_window(engine.param_groups)
 
     def sync_step(self, ctx: StepContext, k: int) -> None:
         _SyncStep(self, ctx, k).run()
+
+    def sync_input(self, engine, b, step: int, counters: dict, buf) -> bool:
+        """A SYNC step's exchange input for bucket ``b``, from the backward hooks before
+        ``step()``: the window's update u after this step's local update, into the padded
+        float32 ``buf``, with x, m and the window left as they are (the local update runs on
+        copies). ``step()`` then takes the same local update on x and m, bitwise alike, and
+        completes the exchange. Returns False, writing nothing, when the bucket's window did not
+        move (its learning rates sum to 0: the step sends nothing for it)."""
+        group = engine.param_groups[b.group_index]
+        lr_sum, decay_product = window_after(group)
+        if not lr_sum > 0:
+            return False
+        h = engine.hyper(b, step, counters["exp_avg_sq_steps"])
+        denom = kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
+        x = engine.load_x(b)
+        x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
+        x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
+        fill_sync(b, x, denom, decay_product, buf, self.precondition_compression)
+        return True
 
     def deliver_owed(self, engine, b, owed, step: int, k: int) -> None:
         """Put the error feedback that a job of several ranks still owed, ``owed`` =
@@ -181,13 +211,30 @@ def compressed_step(ctx: StepContext, k: int) -> None:
         kinds.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
 
 
+def window_after(group) -> tuple[float, float]:
+    """(Λ, decay product) of ``group``'s window once this step is in it: Λ + γ, and the
+    product times (1 − γλ) under AdamW's decoupled weight decay."""
+    lr = float(group["lr"])
+    decay_product = group["decay_product"]
+    if group["weight_decay"] and group.get("decoupled_weight_decay", False):
+        decay_product = decay_product * (1 - lr * group["weight_decay"])
+    return group["lr_sum"] + lr, decay_product
+
+
 def advance_window(param_groups) -> None:
     """Λ += γ and the window's decay product *= (1 − γλ) (AdamW), per param group."""
     for group in param_groups:
-        lr = float(group["lr"])
-        group["lr_sum"] = group["lr_sum"] + lr
-        if group["weight_decay"] and group.get("decoupled_weight_decay", False):
-            group["decay_product"] = group["decay_product"] * (1 - lr * group["weight_decay"])
+        group["lr_sum"], group["decay_product"] = window_after(group)
+
+
+def fill_sync(b, x, denom, decay_product: float, buf, preconditioned: bool) -> None:
+    """SYNC steps 2–3 of bucket ``b``: the window's update u = x_a·(decay product) − x, times
+    s when not ``preconditioned``, into the padded float32 ``buf`` (zeros past n)."""
+    buf[b.numel:].zero_()
+    if preconditioned:  # the common case in one pass
+        native.sync_prepare(x, b.anchor, decay_product, buf[:b.numel])
+    else:
+        kinds.sync_prepare(x, b.anchor, denom, decay_product, buf[:b.numel], False)
 
 
 class _SyncStep:
@@ -214,7 +261,7 @@ class _SyncStep:
         engine, ctx = self.engine, self.ctx
         defer = len(engine.buckets) == 1
         for b in engine.buckets:
-            x = self.algorithm.local_update(ctx, b, engine.hyper(b, ctx.step, self.k), self.denom(b))
+            x = self.algorithm.local_update(engine, b, engine.hyper(b, ctx.step, self.k), self.denom(b))
             if not defer:
                 engine.scatter(x, b.params)
             self.x_for = b
@@ -245,11 +292,7 @@ class _SyncStep:
     def fill(self, b, buf) -> None:
         """SYNC steps 2–3: the window's update u into the exchange input ``buf``."""
         group = self.engine.param_groups[b.group_index]
-        buf[b.numel:].zero_()
-        if self.preconditioned:  # the common case in one pass
-            native.sync_prepare(self.x(b), b.anchor, group["decay_product"], buf[:b.numel])
-        else:
-            kinds.sync_prepare(self.x(b), b.anchor, self.denom(b), group["decay_product"], buf[:b.numel], False)
+        fill_sync(b, self.x(b), self.denom(b), group["decay_product"], buf, self.preconditioned)
 
     def _factor(self, b) -> float:
         group = self.engine.param_groups[b.group_index]
