@@ -586,8 +586,8 @@ def pool_error_feedback(worker: torch.Tensor, server: torch.Tensor, contributors
 
 def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: int, changed: bool) -> bool:
     """Whether some rank's gradients changed after the hooks started their exchange: one 4-byte
-    allreduce, on every VARIANCE and COMPRESSED step where overlap is armed (a rank-independent
-    condition), so that all ranks agree."""
+    allreduce, on every VARIANCE, COMPRESSED and SYNC step where overlap is armed (a
+    rank-independent condition), so that all ranks agree."""
     flag = transport.allreduce_average_(torch.tensor([1.0 if changed else 0.0]), names.grads_changed(step))
     return float(flag[0]) != 0.0
 
