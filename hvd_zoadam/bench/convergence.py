@@ -65,6 +65,15 @@ VARIANTS = {
     "exact-both-no-local-steps": ({"exact": ("compressed", "sync")}, {"local_step_clipper": 1}),
     "exact-both-no-local-steps-late-freeze": ({"exact": ("compressed", "sync")},
                                               {"local_step_clipper": 1, "var_freeze_step": "2x"}),
+    "exact-both-no-local-steps-no-clip": ({"exact": ("compressed", "sync"), "clip_scale": math.inf},
+                                          {"local_step_clipper": 1}),
+    "exact-both-no-local-steps-dense-v": ({"exact": ("compressed", "sync")},
+                                          {"local_step_clipper": 1, "var_update_scaler": 10 ** 9}),
+    "exact-both-no-local-steps-no-freeze": ({"exact": ("compressed", "sync")},
+                                            {"local_step_clipper": 1, "var_freeze_step": "steps"}),
+    "interval-v": ({"variance_weighting": "interval"}, {}),
+    "exact-both-no-local-steps-interval-v": ({"exact": ("compressed", "sync"), "variance_weighting": "interval"},
+                                             {"local_step_clipper": 1}),
     "steps-policy": ({}, {"local_step_policy": "steps"}),
     "late-freeze": ({}, {"var_freeze_step": "2x"}),
 }
@@ -289,7 +298,7 @@ def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched=False):
              "local_step_scaler": args.local_step_scaler, "local_step_clipper": args.local_step_clipper,
              "local_step_policy": args.local_step_policy}
     for key, value in sched_overrides.items():
-        knobs[key] = 2 * freeze if value == "2x" else value
+        knobs[key] = {"2x": 2 * freeze, "steps": args.steps}.get(value, value)
     schedule = Schedule(knobs["var_freeze_step"], knobs["var_update_scaler"], knobs["local_step_scaler"],
                         knobs["local_step_clipper"], knobs["local_step_policy"])
     if overrides.get("ranks_per_node") == "L":

@@ -111,7 +111,7 @@ def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_
 def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
                     precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
-                    ranks_per_node=None, batched_grad_fn=None, stacked=True):
+                    ranks_per_node=None, batched_grad_fn=None, stacked=True, variance_weighting="update"):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -144,6 +144,10 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             sqrt(1 − β2^(k+1)), the earlier bound, Adam's at its (k+1)-th update of v).
         trace: a list that receives, per COMPRESSED and SYNC step, a dict of the step, its
             kind, the mean worker and server error norms and the norm of the exchanged result.
+        variance_weighting: ``"update"`` (the paper's: v <- β2·v + (1 − β2)·ḡ² at each t in T_v,
+            bias correction 1 − β2^k) or ``"interval"`` (ḡ² stands for the I = t − t' steps since
+            the previous t' in T_v: v <- β2^I·v + (1 − β2^I)·ḡ², bias correction 1 − β2^K with K
+            the steps the updates covered, so that v weighs time as Adam's does).
         ranks_per_node: L for the two-level exchange (:func:`simulate_hierarchical_allreduce`,
             the optimizer's ``hierarchical=True`` with nodes of L consecutive ranks); None: flat.
 
@@ -167,6 +171,7 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
     anchor = torch.zeros(n)
     errors = _ErrorBuffers(n, world_size, ranks_per_node)
     k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
+    last_variance = 0
 
     def flat_grads(t):
         if batched_grad_fn is not None:
@@ -223,13 +228,16 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
         g = flat_grads(t)
         mask = (v != 0) if auto_mask else None
         if kind is StepKind.VARIANCE:
-            k += 1
+            interval = t - last_variance if variance_weighting == "interval" else 1
+            last_variance = t
+            k += interval
             avg = row_sum(g) / world_size
             if decoupled and has_decay:
                 x.mul_(1 - lr * weight_decay)
             gr = avg.add(x, alpha=weight_decay) if (not decoupled and weight_decay) else avg.expand(world_size, n)
             m.lerp_(gr, 1 - beta1)
-            v.mul_(beta2).addcmul_(gr[0], gr[0], value=1 - beta2)
+            b2 = beta2 ** interval
+            v.mul_(b2).addcmul_(gr[0], gr[0], value=1 - b2)
             x.addcdiv_(m, adam_denom(k), value=-lr / bc1)
             continue
         denom = adam_denom(k)
