@@ -57,11 +57,14 @@ def train_threads(p, steps, cls=torch.optim.Adam, wd=0.0, lr_fn=None, record=Fal
 @pytest.mark.parametrize("cls, wd", [(torch.optim.Adam, 0.0), (torch.optim.Adam, 0.05), (torch.optim.AdamW, 0.05)])
 @pytest.mark.parametrize("paper_raw", [False, True], ids=["default", "paper-raw"])
 def test_equals_the_simulation_bitwise(p, cls, wd, paper_raw):
-    """The product against the plain-loop oracle, in hvd_zoadam's default mode and in the paper's raw mode."""
+    """The product against the plain-loop oracle, in hvd_zoadam's default mode and in the paper's
+    raw mode (the paper's compression domain, no mask, each update of v weighing as one step)."""
     steps = 26
-    flags = dict(precondition_compression=False, auto_exp_avg_mask=False) if paper_raw else {}
+    flags = dict(precondition_compression=False, auto_exp_avg_mask=False,
+                 var_update_weighting="paper") if paper_raw else {}
     got = train_threads(p, steps, cls, wd, **flags)
-    want, kinds = common.simulate_mlp(p, steps, KNOBS, cls, wd, paper_raw)
+    knobs = {**KNOBS, "var_update_weighting": "paper"} if paper_raw else KNOBS
+    want, kinds = common.simulate_mlp(p, steps, knobs, cls, wd, paper_raw)
     assert {k for k in kinds} == set(StepKind)
     for r in range(p):
         for a, b in zip(got[r][0], want[r]):
@@ -91,19 +94,21 @@ def test_p1_compressed_steps_use_the_raw_gradient_and_send_nothing():
     (params, opt, trace), = train_threads(1, 6, record=True, var_freeze_step=100, var_update_scaler=2)
     assert [k for k, _ in trace] == [StepKind.VARIANCE, StepKind.VARIANCE, StepKind.COMPRESSED,
                                      StepKind.VARIANCE, StepKind.COMPRESSED, StepKind.VARIANCE]
-    # reference: m from every step's raw gradient, v only from VARIANCE steps
+    # reference: m from every step's raw gradient, v only from VARIANCE steps (1, 2, 4, 6), each
+    # update weighing as the steps since the previous one (1, 1, 2, 2: "interval" weighting)
     model = common.mlp()
     x = [q.detach().clone() for q in model.parameters()]
     m = [torch.zeros_like(q) for q in x]
     v = [torch.zeros_like(q) for q in x]
-    k = 0
+    k = last = 0
     for t, (kind, _) in enumerate(trace, 1):
         g = common.grads_at(t, 0, x)
-        k += kind is StepKind.VARIANCE
+        interval = t - last if kind is StepKind.VARIANCE else 0
+        k, last = k + interval, (t if interval else last)
         for i in range(len(x)):
             m[i].lerp_(g[i], 0.1)
             if kind is StepKind.VARIANCE:
-                v[i].mul_(0.999).addcmul_(g[i], g[i], value=0.001)
+                v[i].mul_(0.999 ** interval).addcmul_(g[i], g[i], value=1 - 0.999 ** interval)
             denom = (v[i].sqrt() / math.sqrt(1 - 0.999 ** k)).add_(1e-8)
             x[i].addcdiv_(m[i], denom, value=-common.LR / (1 - 0.9 ** t))
     for a, b in zip(params, x):

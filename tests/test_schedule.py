@@ -25,10 +25,30 @@ def test_variance_steps_with_kappa_3_and_1():
 
 
 def test_variance_state_counts_k_and_interval():
+    """T_v = 1, 2, 4, 6, 8, ... (κ = 2): under "paper" weighting K counts the updates of v; under
+    "interval" (the default) K is the last step in T_v, the sum of the intervals its updates
+    stand for; variance_update_steps gives each update's interval from the K before it."""
+    paper = Schedule(10 ** 6, 2, 1, 1, var_update_weighting="paper")
+    assert paper.variance_state(6) == {"is_variance": True, "var_interval": 4, "var_counter": 0,
+                                       "exp_avg_sq_steps": 4, "last_variance_step": 6}
+    assert paper.variance_state(7) == {"is_variance": False, "var_interval": 4, "var_counter": 0,
+                                       "exp_avg_sq_steps": 4, "last_variance_step": 6}
+    assert paper.variance_state(8) == {"is_variance": True, "var_interval": 4, "var_counter": 1,
+                                       "exp_avg_sq_steps": 5, "last_variance_step": 8}
+    assert [paper.variance_update_steps(t, k) for t, k in ((1, 0), (2, 1), (4, 2), (6, 3), (8, 4))] == [1] * 5
     s = Schedule(10 ** 6, 2, 1, 1)
-    assert s.variance_state(6) == {"is_variance": True, "var_interval": 4, "var_counter": 0, "exp_avg_sq_steps": 4}
-    assert s.variance_state(7) == {"is_variance": False, "var_interval": 4, "var_counter": 0, "exp_avg_sq_steps": 4}
-    assert s.variance_state(8) == {"is_variance": True, "var_interval": 4, "var_counter": 1, "exp_avg_sq_steps": 5}
+    assert s.var_update_weighting == "interval"
+    assert s.variance_state(7)["exp_avg_sq_steps"] == 6 and s.variance_state(8)["exp_avg_sq_steps"] == 8
+    steps = s.variance_steps(40)
+    k, intervals = 0, []
+    for t in steps:
+        intervals.append(s.variance_update_steps(t, k))
+        k += intervals[-1]
+        assert k == s.variance_state(t)["exp_avg_sq_steps"] == t
+    assert intervals == [1, 1, 2, 2, 2, 4, 4, 8, 8]
+    assert s.variance_update_steps(8, 3) == 5  # after an Adam checkpoint of step 3, or skipped updates
+    with pytest.raises(ValueError, match="var_update_weighting must be one of"):
+        Schedule(10, 2, 1, 1, var_update_weighting="time")
 
 
 def test_no_variance_step_after_the_freeze_and_sync_rule_steps_policy():

@@ -71,9 +71,11 @@ VARIANTS = {
                                           {"local_step_clipper": 1, "var_update_scaler": 10 ** 9}),
     "exact-both-no-local-steps-no-freeze": ({"exact": ("compressed", "sync")},
                                             {"local_step_clipper": 1, "var_freeze_step": "steps"}),
-    "interval-v": ({"variance_weighting": "interval"}, {}),
-    "exact-both-no-local-steps-interval-v": ({"exact": ("compressed", "sync"), "variance_weighting": "interval"},
-                                             {"local_step_clipper": 1}),
+    "exact-sync-momentum": ({"exact": ("sync-momentum",)}, {}),
+    "paper-v": ({}, {"var_update_weighting": "paper"}),
+    "two-level-paper-v": ({"ranks_per_node": "L"}, {"var_update_weighting": "paper"}),
+    "exact-both-no-local-steps-paper-v": ({"exact": ("compressed", "sync")},
+                                          {"local_step_clipper": 1, "var_update_weighting": "paper"}),
     "steps-policy": ({}, {"local_step_policy": "steps"}),
     "late-freeze": ({}, {"var_freeze_step": "2x"}),
 }
@@ -296,11 +298,12 @@ def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched=False):
     freeze = args.var_freeze_step or args.warmup
     knobs = {"var_freeze_step": freeze, "var_update_scaler": args.var_update_scaler,
              "local_step_scaler": args.local_step_scaler, "local_step_clipper": args.local_step_clipper,
-             "local_step_policy": args.local_step_policy}
+             "local_step_policy": args.local_step_policy, "var_update_weighting": args.var_update_weighting}
     for key, value in sched_overrides.items():
-        knobs[key] = {"2x": 2 * freeze, "steps": args.steps}.get(value, value)
-    schedule = Schedule(knobs["var_freeze_step"], knobs["var_update_scaler"], knobs["local_step_scaler"],
-                        knobs["local_step_clipper"], knobs["local_step_policy"])
+        if key == "var_freeze_step":  # "2x": twice the freeze; "steps": never within the run
+            value = {"2x": 2 * freeze, "steps": args.steps}[value]
+        knobs[key] = value
+    schedule = Schedule(**knobs)
     if overrides.get("ranks_per_node") == "L":
         overrides["ranks_per_node"] = args.ranks_per_node
     trace = []
@@ -375,6 +378,8 @@ def _add_knobs(parser) -> None:
     parser.add_argument("--local-step-scaler", type=int, default=40)
     parser.add_argument("--local-step-clipper", type=int, default=8)
     parser.add_argument("--local-step-policy", default="lr")
+    parser.add_argument("--var-update-weighting", choices=["interval", "paper"], default="interval",
+                        help="how much an update of v weighs (the optimizer's var_update_weighting)")
     parser.add_argument("--scale-block-numel", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--oracle", choices=["batched", "per-rank"], default="batched",

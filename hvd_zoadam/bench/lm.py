@@ -131,6 +131,8 @@ def parse(argv=None):
     ap.add_argument("--transport", default="auto", help="hvd_zoadam's transport for the zoadam run")
     ap.add_argument("--var-update-scaler", type=int, default=2, help="0/1 Adam's kappa (zoadam run)")
     ap.add_argument("--local-step-policy", default="lr", help="0/1 Adam's H policy (zoadam run)")
+    ap.add_argument("--var-update-weighting", default="interval", choices=["interval", "paper"],
+                    help="0/1 Adam's var_update_weighting (zoadam run)")
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
     ap.add_argument("--bucket-cap-mb", type=float, default=1.5,
@@ -221,7 +223,7 @@ def main(argv=None):
                       named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
                       var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                       local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
-                      scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb)
+                      var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb)
     elif hvd is not None:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
         if args.run == "onebit":
@@ -310,6 +312,7 @@ def main(argv=None):
                    config={"var_freeze_step": args.warmup, "var_update_scaler": args.var_update_scaler,
                            "local_step_policy": args.local_step_policy, "local_step_scaler": args.local_step_scaler,
                            "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256,
+                           "var_update_weighting": args.var_update_weighting,
                            "bucket_cap_mb": args.bucket_cap_mb})
     if not args.run.startswith(("zoadam", "onebit")):
         out["adamw"] = args.adamw

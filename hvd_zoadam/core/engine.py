@@ -215,15 +215,16 @@ class Engine:
         return None if self.levels is None else [self.levels[1].world_size, self.levels[0].world_size]
 
     # -- per-step access to flat data -----------------------------------------------------------
-    def hyper(self, b: Bucket, step: int, exp_avg_sq_steps: int) -> kinds.Hyper:
-        """The hyperparameters of bucket ``b``'s param group for step t = ``step``, k = ``exp_avg_sq_steps``."""
+    def hyper(self, b: Bucket, step: int, exp_avg_sq_steps: int, var_update_steps: int = 1) -> kinds.Hyper:
+        """The hyperparameters of bucket ``b``'s param group for step t = ``step``, K =
+        ``exp_avg_sq_steps``, and I = ``var_update_steps`` for a VARIANCE step's update of v."""
         group = self.param_groups[b.group_index]
         beta1, beta2 = group["betas"]
         return kinds.Hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"],
                            decoupled=bool(group.get("decoupled_weight_decay", False)),
                            bias_correction=self.bias_correction, step=step,
-                           exp_avg_sq_steps=max(exp_avg_sq_steps, 1))
+                           exp_avg_sq_steps=max(exp_avg_sq_steps, 1), var_update_steps=var_update_steps)
 
     def sparse_grad(self, name: str, g: torch.Tensor) -> torch.Tensor:
         """``g`` densified, or the ValueError of a sparse gradient without ``sparse_as_dense``."""

@@ -6,8 +6,9 @@ order of :func:`variance_step` follows ``torch.optim.Adam``'s single-tensor path
 oracle of algorithm.md §2 holds to float rounding.
 
 Shapes: every tensor argument is float32[n] (one bucket). ``lr``, ``weight_decay``
-and the betas are Python floats; ``step`` is t and ``exp_avg_sq_steps`` is k, the
-number of VARIANCE steps so far (bias correction of v).
+and the betas are Python floats; ``step`` is t and ``exp_avg_sq_steps`` is K, the
+exponent of β2 in v's bias correction 1 − β2^K (the number of VARIANCE updates so far, or
+under ``"interval"`` weighting the steps they stand for).
 
 Bias correction after the freeze: m̂ = m / (1 - β1^t) keeps its correction in
 every step. At a SYNC step the rebuilt momentum is stored as
@@ -36,7 +37,8 @@ class Hyper:
     decoupled: bool       # AdamW-style decay (True) or L2 folded into the gradient (False)
     bias_correction: bool
     step: int             # t
-    exp_avg_sq_steps: int  # k
+    exp_avg_sq_steps: int  # K, the exponent of β2 in v's bias correction
+    var_update_steps: int = 1  # I: a VARIANCE update of v weighs as I steps (Schedule.variance_update_steps)
 
     @property
     def bias_correction1(self) -> float:
@@ -86,6 +88,9 @@ def _decay(param: torch.Tensor, h: Hyper) -> None:
 def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None, denom_out=None) -> None:
     """VARIANCE (algorithm.md §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s.
 
+    v ← β·v + (1 − β)·ḡ² with β = β2^I, I = ``h.var_update_steps`` (1: Adam's update; more
+    under ``"interval"`` weighting, algorithm.md §4); ``h.exp_avg_sq_steps`` already counts it.
+
     ``mask`` (bool[n] or None): the momentum mask; coordinates where it is False keep m = 0.
     ``denom_out`` (float32[n] or None): a scratch for s (bitwise the same values), so that a
     step allocates nothing bucket-sized.
@@ -95,7 +100,8 @@ def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None, den
     exp_avg.lerp_(grad, 1 - h.beta1)
     if mask is not None:
         exp_avg.mul_(mask)
-    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    beta2 = h.beta2 ** h.var_update_steps  # h.beta2 itself at I = 1
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h, out=denom_out), value=-h.lr / h.bias_correction1)
 
 

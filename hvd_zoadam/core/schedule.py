@@ -15,6 +15,7 @@ import numbers
 from dataclasses import dataclass
 
 LOCAL_STEP_POLICIES = ("steps", "lr", "constant")
+VAR_UPDATE_WEIGHTINGS = ("interval", "paper")
 
 
 class StepKind(enum.Enum):
@@ -51,6 +52,11 @@ class Schedule:
         local_step_policy: ``"steps"`` (DeepSpeed's rule), ``"lr"`` (H doubles each time
             the learning rate has halved relative to its value at the freeze; paper §4)
             or ``"constant"`` (H = H_max).
+        var_update_weighting: how much an update of v at t in T_v weighs (algorithm.md §4,
+            "Weighting the variance updates"): ``"interval"`` (the default) as the
+            I = t − t' steps since the previous t' in T_v, v <- β2^I·v + (1 − β2^I)·ḡ², so
+            that v weighs time as Adam's does however thin T_v gets; ``"paper"`` as one
+            step, v <- β2·v + (1 − β2)·ḡ² (the paper's Algorithm 1 and DeepSpeed's).
 
     Raises:
         TypeError, ValueError: for a knob that is not a positive int, or an unknown policy.
@@ -61,6 +67,7 @@ class Schedule:
     local_step_scaler: int
     local_step_clipper: int
     local_step_policy: str = "steps"
+    var_update_weighting: str = "interval"
 
     def __post_init__(self):
         for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
@@ -73,6 +80,9 @@ class Schedule:
         if self.local_step_policy not in LOCAL_STEP_POLICIES:
             raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, "
                              f"got {self.local_step_policy!r}")
+        if self.var_update_weighting not in VAR_UPDATE_WEIGHTINGS:
+            raise ValueError(f"var_update_weighting must be one of {VAR_UPDATE_WEIGHTINGS}, "
+                             f"got {self.var_update_weighting!r}")
 
     # -- before the freeze ---------------------------------------------------------------
     def variance_state(self, step: int) -> dict:
@@ -80,7 +90,9 @@ class Schedule:
 
         Returns a dict with ``is_variance`` (step in T_v), ``var_interval`` (I in force
         for the next step), ``var_counter`` (variance steps since I last doubled) and
-        ``exp_avg_sq_steps`` (k, variance steps <= step).
+        ``exp_avg_sq_steps`` (K, the exponent of β2 in v's bias correction: the variance
+        steps <= step under ``"paper"`` weighting, the last of them under ``"interval"``,
+        whose intervals tile 1 … that step).
         """
         kappa, limit = self.var_update_scaler, min(step, self.var_freeze_step)
         interval, counter, k, last = 1, 0, 0, 0
@@ -97,7 +109,20 @@ class Schedule:
             interval *= 2
             counter = 0
         return {"is_variance": 1 <= step <= self.var_freeze_step and last == step,
-                "var_interval": interval, "var_counter": counter, "exp_avg_sq_steps": k}
+                "var_interval": interval, "var_counter": counter,
+                "exp_avg_sq_steps": last if self.var_update_weighting == "interval" else k,
+                "last_variance_step": last}
+
+    def variance_update_steps(self, step: int, exp_avg_sq_steps: int) -> int:
+        """I, how many steps the update of v at ``step`` (in T_v) stands for: 1 under
+        ``"paper"`` weighting; under ``"interval"`` the steps since the last one v covered,
+        t − K with K = ``exp_avg_sq_steps`` before this step. That is t − t' with t' the previous
+        step in T_v, or after an Adam checkpoint (K = its step count) the steps since it; a
+        skipped VARIANCE step leaves its steps to the next update. The update is
+        v <- β2^I·v + (1 − β2^I)·ḡ², and K grows by I."""
+        if self.var_update_weighting == "paper":
+            return 1
+        return max(1, step - exp_avg_sq_steps)
 
     def variance_steps(self, last_step: int) -> list[int]:
         """All t in T_v with t <= last_step, in order (for tests and plots)."""

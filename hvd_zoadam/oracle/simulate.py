@@ -111,7 +111,7 @@ def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_
 def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
                     precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
-                    ranks_per_node=None, batched_grad_fn=None, stacked=True, variance_weighting="update"):
+                    ranks_per_node=None, batched_grad_fn=None, stacked=True):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -135,8 +135,9 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             bucket order (e.g. 0 for biases and norms, as param groups do).
 
     Ablations, for diagnosis (the defaults are 0/1 Adam):
-        exact: a subset of ``{"compressed", "sync"}``: those steps use the exact average of
-            the workers' inputs instead of C(.).
+        exact: a subset of ``{"compressed", "sync", "sync-momentum"}``: those steps use the
+            exact average of the workers' inputs instead of C(.); ``"sync-momentum"``: a SYNC
+            step rebuilds x from C(u) but m from the exact average of u.
         server_exact: C(.) without the server side's recompression (see
             :func:`simulate_compressed_allreduce`).
         clip_scale: multiplies the bound on |g|/s of preconditioned steps, sqrt(P)/sqrt(1 − β2)
@@ -144,10 +145,6 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             sqrt(1 − β2^(k+1)), the earlier bound, Adam's at its (k+1)-th update of v).
         trace: a list that receives, per COMPRESSED and SYNC step, a dict of the step, its
             kind, the mean worker and server error norms and the norm of the exchanged result.
-        variance_weighting: ``"update"`` (the paper's: v <- β2·v + (1 − β2)·ḡ² at each t in T_v,
-            bias correction 1 − β2^k) or ``"interval"`` (ḡ² stands for the I = t − t' steps since
-            the previous t' in T_v: v <- β2^I·v + (1 − β2^I)·ḡ², bias correction 1 − β2^K with K
-            the steps the updates covered, so that v weighs time as Adam's does).
         ranks_per_node: L for the two-level exchange (:func:`simulate_hierarchical_allreduce`,
             the optimizer's ``hierarchical=True`` with nodes of L consecutive ranks); None: flat.
 
@@ -171,7 +168,6 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
     anchor = torch.zeros(n)
     errors = _ErrorBuffers(n, world_size, ranks_per_node)
     k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
-    last_variance = 0
 
     def flat_grads(t):
         if batched_grad_fn is not None:
@@ -228,8 +224,7 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
         g = flat_grads(t)
         mask = (v != 0) if auto_mask else None
         if kind is StepKind.VARIANCE:
-            interval = t - last_variance if variance_weighting == "interval" else 1
-            last_variance = t
+            interval = schedule.variance_update_steps(t, k)  # I: v's update weighs as I steps
             k += interval
             avg = row_sum(g) / world_size
             if decoupled and has_decay:
@@ -276,6 +271,10 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
                 w = w * mask
             x0, m0 = torch.empty(n), torch.empty(n)
             reference.sync_rebuild(w, anchor.clone(), x0, m0, denom, bc1 / lr_sum, preconditioned=precondition)
+            if "sync-momentum" in exact:
+                w_exact = row_sum(u) / world_size * (mask if mask is not None else 1)
+                reference.sync_rebuild(w_exact, anchor.clone(), torch.empty(n), m0, denom, bc1 / lr_sum,
+                                       preconditioned=precondition)
             x.copy_(x0.expand(world_size, n))
             m.copy_(m0.expand(world_size, n))
             if mask is not None:

@@ -15,7 +15,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          op=None, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                          process_set=None, *, var_freeze_step=100000, var_update_scaler=16,
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
-                         bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
+                         var_update_weighting="interval", bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
                          exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
                          step_log=None, overlap=True, algorithm="zoadam", hierarchical=False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam (or 1-bit Adam) optimizer that
@@ -50,7 +50,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     0/1 Adam's keyword-only knobs (algorithm.md §4): ``var_freeze_step`` (T_f, steps),
     ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
     (H_max, steps), ``local_step_policy`` (``"steps"``, ``"lr"`` or ``"constant"``),
-    ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
+    ``var_update_weighting`` (``"interval"``, the default: an update of v at t in T_v weighs as
+    the steps since the previous one, so that v weighs time as Adam's does; ``"paper"``: as one
+    step, the paper's and DeepSpeed's rule), ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
     1-bit phases over mpi4py on Horovod's MPI world, a ``ValueError`` naming the reason where
     that cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI controller with
     ``MPI_THREAD_MULTIPLE`` and mpi4py works, else ``"horovod"``; ``comm_stats()["transport"]``
@@ -74,7 +76,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     step, kind, lr, loss (from ``step(closure)`` or :meth:`~hvd_zoadam.shell.stats.ReportsMixin.log_loss`),
     skipped, and the cumulative bytes sent and rounds; rank 0 only unless the path holds
     ``{rank}``), and ``overlap`` (default True: with P > 1, from the second step on, the
-    gradient hooks start a VARIANCE step's allreduces and a COMPRESSED step's round 1 for
+    gradient hooks start a VARIANCE step's allreduces and a COMPRESSED or SYNC step's round 1 for
     each bucket as soon as all its gradients are ready, in a fixed bucket order, while the
     backward pass goes on; not under ``torch.amp.GradScaler``, whose scale is only known in
     ``step()``. False: everything starts in ``synchronize()``. Same results either way), and
@@ -120,7 +122,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
         groups=groups, sparse_as_dense=sparse_as_dense, var_freeze_step=var_freeze_step,
         var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-        local_step_clipper=local_step_clipper, local_step_policy=local_step_policy, bias_correction=bias_correction,
+        local_step_clipper=local_step_clipper, local_step_policy=local_step_policy,
+        var_update_weighting=var_update_weighting, bias_correction=bias_correction,
         bucket_cap_mb=bucket_cap_mb, scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask,
         auto_exp_avg_mask=auto_exp_avg_mask, precondition_compression=precondition_compression, step_log=step_log,
         overlap=overlap, algorithm=algorithm, hierarchical=hierarchical)

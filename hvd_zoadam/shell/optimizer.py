@@ -204,7 +204,8 @@ def optimizer_class(algorithm: str, base: type) -> type:
 
 def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end: str, compression,
                     backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense, var_freeze_step,
-                    var_update_scaler, local_step_scaler, local_step_clipper, local_step_policy, bias_correction,
+                    var_update_scaler, local_step_scaler, local_step_clipper, local_step_policy, var_update_weighting,
+                    bias_correction,
                     bucket_cap_mb, scale_block_numel, exp_avg_mask, auto_exp_avg_mask, precondition_compression,
                     step_log, overlap, algorithm, hierarchical):
     """What every front end does (``hvd_zoadam.DistributedOptimizer``,
@@ -231,14 +232,15 @@ def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end
     if algorithm == "onebit":
         zoadam_only = dict(var_update_scaler=(var_update_scaler, 16), local_step_scaler=(local_step_scaler, 32768),
                            local_step_clipper=(local_step_clipper, 16), local_step_policy=(local_step_policy, "steps"),
-                           precondition_compression=(precondition_compression, True))
+                           precondition_compression=(precondition_compression, True),
+                           var_update_weighting=(var_update_weighting, "interval"))
         for name, (value, default) in zoadam_only.items():
             if value != default:
                 raise ValueError(f"{name}={value!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
                                  "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
         var_update_scaler = 1  # every warm-up step updates v
     schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
-                        local_step_policy)
+                        local_step_policy, var_update_weighting)
     # Every argument is checked before the transport is asked anything (initialised? in the group?).
     if named_parameters is not None:
         named_parameters = list(named_parameters)

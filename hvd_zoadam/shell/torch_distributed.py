@@ -33,7 +33,8 @@ __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadc
 
 def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *, backward_passes_per_step=1,
                          var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32768,
-                         local_step_clipper=16, local_step_policy="steps", bias_correction=True, transport="auto",
+                         local_step_clipper=16, local_step_policy="steps", var_update_weighting="interval",
+                         bias_correction=True, transport="auto",
                          bucket_cap_mb=25.0, scale_block_numel=2048, exp_avg_mask=None, auto_exp_avg_mask=True,
                          precondition_compression=True, step_log=None, overlap=True, algorithm="zoadam",
                          hierarchical=False):
@@ -87,7 +88,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
         compression=None, backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=1.0,
         groups=None, sparse_as_dense=False, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-        local_step_policy=local_step_policy, bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb,
+        local_step_policy=local_step_policy, var_update_weighting=var_update_weighting,
+        bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb,
         scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=auto_exp_avg_mask,
         precondition_compression=precondition_compression, step_log=step_log, overlap=overlap,
         algorithm=algorithm, hierarchical=hierarchical)

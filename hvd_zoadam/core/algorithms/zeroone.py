@@ -99,10 +99,16 @@ class ZeroOneAdam:
         skip of algorithm.md §5). Returns the new ``exp_avg_sq_steps`` k."""
         if kind in (StepKind.LOCAL, StepKind.SYNC) and ctx.step == self.schedule.var_freeze_step + 1:
             self.enter_freeze(ctx)
-        k = ctx.counters["exp_avg_sq_steps"] + (1 if kind is StepKind.VARIANCE and not skip else 0)
+        if kind is StepKind.VARIANCE:
+            i = self.schedule.variance_update_steps(ctx.step, ctx.counters["exp_avg_sq_steps"])
+            k = ctx.counters["exp_avg_sq_steps"] + (0 if skip else i)
+            if not skip:
+                variance_step(ctx, k, i)
+            return k
+        k = ctx.counters["exp_avg_sq_steps"]
         if not skip:
-            {StepKind.VARIANCE: variance_step, StepKind.COMPRESSED: compressed_step,
-             StepKind.LOCAL: self.local_step, StepKind.SYNC: self.sync_step}[kind](ctx, k)
+            {StepKind.COMPRESSED: compressed_step, StepKind.LOCAL: self.local_step,
+             StepKind.SYNC: self.sync_step}[kind](ctx, k)
         return k
 
     @staticmethod
@@ -183,22 +189,23 @@ class ZeroOneAdam:
         return any(group.get("lr_sum", 0.0) > 0 for group in engine.param_groups)
 
 
-def _with_gradients(ctx: StepContext, k: int):
+def _with_gradients(ctx: StepContext, k: int, var_update_steps: int = 1):
     """Per bucket: (bucket, its Hyper, its gradient float32[n] from p.grad, x float32[n]); x is
     scattered back into the parameters once the caller's step on it is done."""
     engine = ctx.engine
     g = engine.scratch["g"]
     for b in engine.buckets:
-        h = engine.hyper(b, ctx.step, k)
+        h = engine.hyper(b, ctx.step, k, var_update_steps)
         engine.grads_into(b, g, raw=not ctx.exchanged)
         x = engine.load_x(b)
         yield b, h, g[:b.numel], x
         engine.scatter(x, b.params)
 
 
-def variance_step(ctx: StepContext, k: int) -> None:
-    """VARIANCE on every bucket, from the averaged gradients in p.grad."""
-    for b, h, g, x in _with_gradients(ctx, k):
+def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
+    """VARIANCE on every bucket, from the averaged gradients in p.grad; the update of v weighs
+    as ``var_update_steps`` steps (:meth:`Schedule.variance_update_steps`)."""
+    for b, h, g, x in _with_gradients(ctx, k, var_update_steps):
         # Only the user's mask here: with the exact average, v == 0 after this step means every
         # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
         kinds.variance_step(x, g, b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=ctx.engine.scratch_d(b.numel))
