@@ -186,6 +186,11 @@ class Transport:
         """The result of a started collective; raises :class:`CollectiveTimeoutError` past the deadline."""
         raise NotImplementedError
 
+    def progress(self, handle) -> None:
+        """Let a started collective move its data now, without waiting for it (the backward
+        hooks call it while their rounds are in flight). Nothing here: Horovod, Gloo and
+        thread ranks progress on their own threads."""
+
     def allgather_object(self, obj, name: str) -> list:
         """Every rank's ``obj`` (plain data: None, numbers, strings, lists, tuples, dicts), in rank
         order (uncounted: set-up only)."""
@@ -535,6 +540,13 @@ class MPITransport(HorovodTransport):
         sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
         request = (self._comm.Iallgather if op == "allgather" else self._comm.Ialltoall)(sbuf, rbuf)
         return MPIHandle(request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
+
+    def progress(self, handle) -> None:
+        """MPI moves a nonblocking collective's data only inside MPI calls (no progress thread
+        with the TCP transport): one ``Test`` moves what the sockets take now. Other handles
+        (Horovod's) progress on their own."""
+        if isinstance(handle, MPIHandle):
+            handle.request.Test()
 
     def wait(self, handle):
         if not isinstance(handle, MPIHandle):

@@ -33,7 +33,8 @@ class HorovodContract:
         return hook
 
     def _grad_ready(self, p) -> None:
-        """A backward pass accumulated ``p``'s gradient: count it, start what is ready (overlap)."""
+        """A backward pass accumulated ``p``'s gradient: count it, start what is ready (overlap),
+        and let the rounds 1 already in flight move their data (:meth:`Transport.progress`)."""
         if self._passes[p] >= self.backward_passes_per_step:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -45,6 +46,9 @@ class HorovodContract:
         if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
             self._overlap.param_ready(bucket_of[p], [len(b.params) for b in self._buckets],
                                       self._next_early_kind, self._launch)
+        window = self._overlap.window
+        for handle in window.scales.values() if window is not None else ():
+            self.transport.progress(handle)
 
     def _reset_passes(self) -> None:
         """Forget this step's backward passes; drain an exchange the hooks started (it was started
