@@ -205,6 +205,8 @@ def parse_args(argv=None):
     ap.add_argument("--local-step-scaler", type=int, default=40)
     ap.add_argument("--local-step-clipper", type=int, default=8)
     ap.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default="lr")
+    ap.add_argument("--var-update-weighting", choices=["interval", "paper"], default="interval",
+                    help="how much an update of v weighs: the steps since the last one (interval) or one step (paper)")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="fused bucket size (hvd_zoadam's bucket_cap_mb); 0 = one bucket per tensor")
     ap.add_argument("--scale-block-numel", type=int, default=256,
@@ -244,8 +246,8 @@ def main(argv=None):
             inner, named_parameters=model.named_parameters(),
             var_freeze_step=args.var_freeze_step or args.warmup, var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
-            local_step_policy=args.local_step_policy, scale_block_numel=args.scale_block_numel,
-            bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9)
+            local_step_policy=args.local_step_policy, var_update_weighting=args.var_update_weighting,
+            scale_block_numel=args.scale_block_numel, bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9)
     else:
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
