@@ -15,13 +15,13 @@ def test_convergence_reports_each_variant_against_adam(tmp_path):
     out = tmp_path / "conv.json"
     cmd = [sys.executable, "-m", "hvd_zoadam.bench", "convergence", "--ranks", "2", "--steps", "12", "--warmup", "4",
            "--n-layer", "1", "--n-embd", "16", "--eval-batches", "2", "--threads", "1",
-           "--variants", "zoadam,exact-both,unscaled-bound", "--json", str(out)]
+           "--variants", "zoadam,exact-both,unscaled-bound,sync-momentum-average", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert json.loads(out.read_text()) == report
     rows = report["variants"]
-    assert list(rows) == ["adam", "zoadam", "exact-both", "unscaled-bound"]
+    assert list(rows) == ["adam", "zoadam", "exact-both", "unscaled-bound", "sync-momentum-average"]
     adam = rows["adam"]["val_loss"]
     for name, row in rows.items():
         assert math.isfinite(row["val_loss"]) and 0 < row["val_loss"] < 10, name
@@ -30,6 +30,7 @@ def test_convergence_reports_each_variant_against_adam(tmp_path):
     assert rows["exact-both"]["error_feedback"]["sync"]["worker_error_vs_result"] == 0.0
     assert rows["zoadam"]["error_feedback"]["sync"]["worker_error_vs_result"] > 0.0
     assert "by_window" in rows["zoadam"]["error_feedback"]["sync"]
+    assert rows["sync-momentum-average"]["val_loss"] != rows["zoadam"]["val_loss"]
     assert "P=2 zoadam: val loss" in proc.stderr
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments
-from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.oracle.simulate import (simulate_compressed_allreduce, simulate_hierarchical_allreduce,
                                         simulate_zoadam)
 from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked
@@ -210,3 +210,18 @@ def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank(workloa
     want = [convergence._val_loss(work, names, [[c.view(s) for c, s in zip(xs[r].split(numels), shapes)]])
             for r in range(3)]
     assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_the_sync_momentum_average_ablation_starts_at_the_second_sync():
+    """``sync_momentum_average``: 0 is 0/1 Adam bit for bit; with a > 0 nothing changes until
+    a SYNC step has a previous one to average with, and x moves apart the step after it."""
+    params, grad_fn, kw = _quadratic_case(3)
+    base, kinds = simulate_zoadam(params, grad_fn, **kw)
+    syncs = [t for t, kind in enumerate(kinds, 1) if kind is StepKind.SYNC]
+    zero, _ = simulate_zoadam(params, grad_fn, sync_momentum_average=0.0, **kw)
+    assert all(torch.equal(x, y) for ra, rb in zip(base, zero) for x, y in zip(ra, rb))
+    for steps, same in ((syncs[1], True), (syncs[1] + 1, False)):
+        kw["steps"] = steps
+        a, _ = simulate_zoadam(params, grad_fn, **kw)
+        b, _ = simulate_zoadam(params, grad_fn, sync_momentum_average=0.5, **kw)
+        assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) is same, steps

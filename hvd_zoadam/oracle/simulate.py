@@ -111,7 +111,7 @@ def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_
 def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
                     precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
-                    ranks_per_node=None, batched_grad_fn=None, stacked=True):
+                    ranks_per_node=None, batched_grad_fn=None, stacked=True, sync_momentum_average=0.0):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -138,6 +138,10 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
         exact: a subset of ``{"compressed", "sync", "sync-momentum"}``: those steps use the
             exact average of the workers' inputs instead of C(.); ``"sync-momentum"``: a SYNC
             step rebuilds x from C(u) but m from the exact average of u.
+        sync_momentum_average: a in [0, 1): a SYNC step's rebuilt m becomes
+            a·m' + (1 − a)·m, with m' what the previous SYNC step left (an exponential average
+            of the rebuilt momenta). With error feedback the compression errors of consecutive
+            syncs largely cancel in such an average (C(u_k) ≈ u_k + e_k − e_{k+1}).
         server_exact: C(.) without the server side's recompression (see
             :func:`simulate_compressed_allreduce`).
         clip_scale: multiplies the bound on |g|/s of preconditioned steps, sqrt(P)/sqrt(1 − β2)
@@ -168,6 +172,7 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
     anchor = torch.zeros(n)
     errors = _ErrorBuffers(n, world_size, ranks_per_node)
     k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
+    sync_momentum = None  # the previous SYNC step's m (the sync_momentum_average ablation)
 
     def flat_grads(t):
         if batched_grad_fn is not None:
@@ -275,6 +280,9 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
                 w_exact = row_sum(u) / world_size * (mask if mask is not None else 1)
                 reference.sync_rebuild(w_exact, anchor.clone(), torch.empty(n), m0, denom, bc1 / lr_sum,
                                        preconditioned=precondition)
+            if sync_momentum_average and sync_momentum is not None:
+                m0.mul_(1 - sync_momentum_average).add_(sync_momentum, alpha=sync_momentum_average)
+            sync_momentum = m0.clone()
             x.copy_(x0.expand(world_size, n))
             m.copy_(m0.expand(world_size, n))
             if mask is not None:
