@@ -200,7 +200,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: the GPU of this rank's local rank when torch sees one, else the CPU")
     ap.add_argument("--tensorboard", help="write TensorBoard scalars here (rank 0), when tensorboard is installed")
-    ap.add_argument("--var-freeze-step", type=int, default=None, help="default: --warmup (paper §4)")
+    ap.add_argument("--var-freeze-step", type=int, default=None,
+                    help="default: twice --warmup (the paper's §4 says the warm-up's end; see the README)")
     ap.add_argument("--var-update-scaler", type=int, default=8)
     ap.add_argument("--local-step-scaler", type=int, default=40)
     ap.add_argument("--local-step-clipper", type=int, default=8)
@@ -244,7 +245,7 @@ def main(argv=None):
         front_end = hvd_zoadam.distributed if isinstance(hvd, TorchDistributed) else hvd_zoadam
         opt = front_end.DistributedOptimizer(
             inner, named_parameters=model.named_parameters(),
-            var_freeze_step=args.var_freeze_step or args.warmup, var_update_scaler=args.var_update_scaler,
+            var_freeze_step=args.var_freeze_step or 2 * args.warmup, var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
             local_step_policy=args.local_step_policy, var_update_weighting=args.var_update_weighting,
             scale_block_numel=args.scale_block_numel, bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9)

@@ -33,6 +33,8 @@ def test_train_lm_runs_under_horovodrun_and_writes_its_summary(tmp_path):
     assert a["comm_stats"]["bytes_sent_total"] == z["comm_stats"]["adam_equivalent_bytes"]
     lines = [json.loads(x) for x in (tmp_path / "zoadam.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 13)) and {"kind", "lr", "loss", "bytes_sent"} <= set(lines[0])
+    # the freeze defaults to twice --warmup (4): steps 1-8 exchange gradients, step 9 is the first sync
+    assert {x["kind"] for x in lines[:8]} == {"variance", "compressed"} and lines[8]["kind"] == "sync"
     out = subprocess.run([sys.executable, "examples/compare.py", str(tmp_path / "zoadam.json"),
                           str(tmp_path / "adam.json"), "--png", str(tmp_path / "loss.png"), "--json",
                           str(tmp_path / "cmp.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
