@@ -11,7 +11,8 @@ local-step policy (``steps-policy``). The baseline is AdamW on the exact average
 gradients (what ``hvd.DistributedOptimizer`` does).
 
 Workloads (``--workload``): ``lm``, the char LM of examples/train_lm.py (same model, data,
-per-rank batches, learning-rate schedule and 0/1 Adam knobs as ``train_lm.py``'s defaults);
+per-rank batches, learning-rate schedule and 0/1 Adam knobs as ``train_lm.py``'s defaults, except
+the freeze: ``--var-freeze-step`` defaults to ``--warmup``, where train_lm's is twice it);
 ``digits``, the CNN of examples/train_digits.py. Rank r draws its batches from its own
 generator (seed·1000 + r). ``--oracle batched`` (the default) computes the P ranks' gradients
 in one ``torch.func.vmap``'d call and exchanges through the stacked oracle, which is what
