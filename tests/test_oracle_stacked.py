@@ -112,6 +112,11 @@ def test_drawn_layouts_give_the_per_rank_exchange_to_a_rounding(case):
             torch.testing.assert_close(x, y_, rtol=1e-5, atol=1e-5 * magnitude)
 
 
+def _same_params(a, b) -> bool:
+    """Whether two oracle results (per rank, a list of tensors) are equal bit for bit."""
+    return all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
 def _quadratic_case(world_size, steps=30):
     """Three tensors, rank r's gradient that of ½|x − c_r|² plus noise from (step, rank)."""
     torch.manual_seed(7)
@@ -136,8 +141,7 @@ def test_simulate_zoadam_stacked_is_bitwise_the_per_rank_oracle(p, options):
     a, kinds_a = simulate_zoadam(params, grad_fn, stacked=True, **kw, **options)
     b, kinds_b = simulate_zoadam(params, grad_fn, stacked=False, **kw, **options)
     assert kinds_a == kinds_b and len(set(kinds_a)) == 4
-    for ra, rb in zip(a, b):
-        assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+    assert _same_params(a, b)
 
 
 def test_a_batched_gradient_function_gives_what_the_per_rank_one_gives():
@@ -154,7 +158,7 @@ def test_a_batched_gradient_function_gives_what_the_per_rank_one_gives():
         return torch.stack(rows)
     a, _ = simulate_zoadam(params, batched_grad_fn=batched, **kw)
     b, _ = simulate_zoadam(params, grad_fn, **kw)
-    assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    assert _same_params(a, b)
     with pytest.raises(TypeError, match="exactly one of grad_fn and batched_grad_fn"):
         simulate_zoadam(params, grad_fn, batched_grad_fn=batched, **kw)
     with pytest.raises(TypeError, match="exactly one of grad_fn and batched_grad_fn"):
@@ -219,9 +223,9 @@ def test_the_sync_momentum_average_ablation_starts_at_the_second_sync():
     base, kinds = simulate_zoadam(params, grad_fn, **kw)
     syncs = [t for t, kind in enumerate(kinds, 1) if kind is StepKind.SYNC]
     zero, _ = simulate_zoadam(params, grad_fn, sync_momentum_average=0.0, **kw)
-    assert all(torch.equal(x, y) for ra, rb in zip(base, zero) for x, y in zip(ra, rb))
+    assert _same_params(base, zero)
     for steps, same in ((syncs[1], True), (syncs[1] + 1, False)):
         kw["steps"] = steps
         a, _ = simulate_zoadam(params, grad_fn, **kw)
         b, _ = simulate_zoadam(params, grad_fn, sync_momentum_average=0.5, **kw)
-        assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) is same, steps
+        assert _same_params(a, b) is same, steps

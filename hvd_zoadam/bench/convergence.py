@@ -75,7 +75,6 @@ VARIANTS = {
     "exact-sync-momentum": ({"exact": ("sync-momentum",)}, {}),
     "sync-momentum-average": ({"sync_momentum_average": 0.5}, {}),
     "sync-momentum-average-0.75": ({"sync_momentum_average": 0.75}, {}),
-    "two-level-sync-momentum-average": ({"ranks_per_node": "L", "sync_momentum_average": 0.5}, {}),
     "paper-v": ({}, {"var_update_weighting": "paper"}),
     "two-level-paper-v": ({"ranks_per_node": "L"}, {"var_update_weighting": "paper"}),
     "exact-both-no-local-steps-paper-v": ({"exact": ("compressed", "sync")},

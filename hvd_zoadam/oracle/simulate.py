@@ -280,9 +280,10 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
                 w_exact = row_sum(u) / world_size * (mask if mask is not None else 1)
                 reference.sync_rebuild(w_exact, anchor.clone(), torch.empty(n), m0, denom, bc1 / lr_sum,
                                        preconditioned=precondition)
-            if sync_momentum_average and sync_momentum is not None:
-                m0.mul_(1 - sync_momentum_average).add_(sync_momentum, alpha=sync_momentum_average)
-            sync_momentum = m0.clone()
+            if sync_momentum_average:
+                if sync_momentum is not None:
+                    m0.mul_(1 - sync_momentum_average).add_(sync_momentum, alpha=sync_momentum_average)
+                sync_momentum = m0.clone()
             x.copy_(x0.expand(world_size, n))
             m.copy_(m0.expand(world_size, n))
             if mask is not None:
