@@ -110,3 +110,25 @@ def test_convergence_runs_the_digits_cnn_and_reports_a_diverged_variant():
     rows = json.loads(proc.stdout)["variants"]
     assert 0 < rows["adam"]["val_loss"] < 1 and 0 < rows["zoadam"]["val_loss"] < 1
     assert math.isnan(rows["no-clip"]["val_loss"]) and "diverged" in rows["no-clip"]["diverged"]
+
+
+def test_the_gru_workloads_model_is_torchs_gru_and_reads_the_stdlib():
+    """CharGRU's written-out recurrence equals ``torch.nn.GRU`` (two layers, batch_first) with
+    the same weights, to float32 rounding; the corpus is ASCII codes of Python source."""
+    import torch
+    from hvd_zoadam.bench.workloads import CharGRU, stdlib_corpus
+    torch.manual_seed(0)
+    model = CharGRU(128, 24, 2)
+    gru = torch.nn.GRU(24, 24, num_layers=2, batch_first=True)
+    with torch.no_grad():
+        for k in range(2):
+            getattr(gru, f"weight_ih_l{k}").copy_(model.ih[k].weight)
+            getattr(gru, f"bias_ih_l{k}").copy_(model.ih[k].bias)
+            getattr(gru, f"weight_hh_l{k}").copy_(model.hh[k].weight)
+            getattr(gru, f"bias_hh_l{k}").copy_(model.hh[k].bias)
+    idx = torch.randint(128, (3, 17))
+    want = model.head(gru(model.tok(idx))[0])
+    torch.testing.assert_close(model(idx), want, rtol=1e-5, atol=1e-6)
+    data = stdlib_corpus()
+    assert data.dtype == torch.int64 and len(data) > 10 ** 6 and int(data.max()) < 128
+    assert "def " in bytes(data[:200000].tolist()).decode("ascii")

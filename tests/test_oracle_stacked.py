@@ -187,16 +187,15 @@ def _example(name):
     return module
 
 
-@pytest.mark.parametrize("workload", ["lm", "digits"])
+@pytest.mark.parametrize("workload", ["lm", "digits", "gru"])
 def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank(workload):
-    """The char LM and the digits CNN at P = 3 ranks with different parameters: the vmap'd
+    """The char LM, the digits CNN and the GRU at P = 3 ranks with different parameters: the vmap'd
     gradients and validation losses equal the per-rank backward and forward passes to float32
     rounding, and each rank draws its own batches."""
-    from hvd_zoadam.bench import convergence
+    from hvd_zoadam.bench import convergence, workloads
     args = argparse.Namespace(ranks=3, seed=5, n_layer=1, n_embd=16, n_head=4, block_size=16, batch_size=4,
                               eval_batches=2, eval_every=0, warmup=2, steps=10, lr=1e-3)
-    work = (convergence.lm_workload(_example("train_lm"), args) if workload == "lm"
-            else convergence.digits_workload(_example("train_digits"), args))
+    work = workloads.build(workload, _example, args)
     names = [n for n, _ in work.model.named_parameters()]
     base = torch.cat([p.detach().reshape(-1) for p in work.model.parameters()])
     xs = base + 0.05 * torch.randn(3, base.numel(), generator=torch.Generator().manual_seed(1))

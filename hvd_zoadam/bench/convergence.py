@@ -13,7 +13,8 @@ gradients (what ``hvd.DistributedOptimizer`` does).
 Workloads (``--workload``): ``lm``, the char LM of examples/train_lm.py (same model, data,
 per-rank batches, learning-rate schedule and 0/1 Adam knobs as ``train_lm.py``'s defaults, except
 the freeze: ``--var-freeze-step`` defaults to ``--warmup``, where train_lm's is twice it);
-``digits``, the CNN of examples/train_digits.py. Rank r draws its batches from its own
+``digits``, the CNN of examples/train_digits.py; ``gru``, a char-level GRU on the Python
+standard library's sources (:mod:`hvd_zoadam.bench.workloads`). Rank r draws its batches from its own
 generator (seed·1000 + r). ``--oracle batched`` (the default) computes the P ranks' gradients
 in one ``torch.func.vmap``'d call and exchanges through the stacked oracle, which is what
 makes P = 128 possible on a CPU; ``per-rank`` runs one backward pass per rank.
@@ -35,14 +36,12 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from hvd_zoadam.bench.lm import add_model_arguments
+from hvd_zoadam.bench.workloads import Workload, build
 from hvd_zoadam.comm.hierarchical import hierarchical_exchange_bytes
 from hvd_zoadam.comm.protocol import exchange_bytes
 from hvd_zoadam.core.layout import scale_segments
@@ -82,50 +81,6 @@ VARIANTS = {
     "steps-policy": ({}, {"local_step_policy": "steps"}),
     "late-freeze": ({}, {"var_freeze_step": "2x"}),
 }
-
-
-@dataclass
-class Workload:
-    """What the bench trains: the model (its parameters the common initial x), how a rank draws
-    its next batch from its own generator, the loss of the model's output, the fixed validation
-    batches, and the learning rate of step t."""
-    model: torch.nn.Module
-    batch: Callable[[torch.Generator], tuple]
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    val_batches: list
-    lr_fn: Callable[[int], float]
-
-
-def lm_workload(train_lm, args) -> Workload:
-    """The char LM of examples/train_lm.py: its corpus split 90/10, its batches and its warm-up
-    and cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345)."""
-    text = train_lm.load_corpus()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))
-    torch.manual_seed(args.seed)
-    model = train_lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
-    gen = torch.Generator().manual_seed(12345)
-    val = [train_lm.get_batch(data[split:], args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
-    lam = train_lm.lr_lambda(args.warmup, args.steps)
-    return Workload(model, lambda g: train_lm.get_batch(data[:split], args.batch_size, args.block_size, g),
-                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), val,
-                    lambda t: args.lr * lam(t - 1))
-
-
-def digits_workload(train_digits, args) -> Workload:
-    """The CNN of examples/train_digits.py on scikit-learn's digits: each rank draws
-    ``args.batch_size`` images at random from the whole training split (80 %), the validation
-    loss is over the test split in one batch, and the learning rate is ``args.lr`` throughout
-    (as that example)."""
-    (xtr, ytr), val = train_digits.load(args.seed)
-    torch.manual_seed(args.seed)
-
-    def batch(g):
-        idx = torch.randint(len(ytr), (args.batch_size,), generator=g)
-        return xtr[idx], ytr[idx]
-    return Workload(train_digits.make_model(), batch, F.cross_entropy, [val], lambda t: args.lr)
 
 
 def _grad_fn(work: Workload, names, args, curve=None):
@@ -236,8 +191,7 @@ def run(args, examples) -> dict:
     example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module."""
     torch.set_num_threads(args.threads)
     batched = args.oracle == "batched"
-    work = (lm_workload(examples("train_lm"), args) if args.workload == "lm"
-            else digits_workload(examples("train_digits"), args))
+    work = build(args.workload, examples, args)
     model, lr_fn = work.model, work.lr_fn
     names = [n for n, _ in model.named_parameters()]
     init = [p.detach().clone() for p in model.parameters()]
@@ -367,11 +321,13 @@ def _summarise(trace: list, window: int = 100) -> dict:
 
 def _add_knobs(parser) -> None:
     """The model, 0/1 Adam and oracle arguments shared by ``convergence`` and ``scaling``."""
-    parser.add_argument("--workload", choices=["lm", "digits"], default="lm",
+    parser.add_argument("--workload", choices=["lm", "digits", "gru"], default="lm",
                         help="lm: the char LM of examples/train_lm.py; digits: the CNN of examples/train_digits.py "
                              "(give it that example's settings: --beta2 0.999 --weight-decay 0 --batch-size 32 "
                              "--steps 300 --var-freeze-step 50 --var-update-scaler 4 --local-step-scaler 50 "
-                             "--local-step-clipper 4 --local-step-policy steps)")
+                             "--local-step-clipper 4 --local-step-policy steps); gru: a char-level GRU of "
+                             "--n-layer layers of width --n-embd on the Python standard library's sources "
+                             "(give it --beta2 0.999)")
     parser.add_argument("--steps", type=int, default=400)
     add_model_arguments(parser)
     parser.add_argument("--weight-decay", type=float, default=0.01)

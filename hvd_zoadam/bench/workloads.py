@@ -1,0 +1,136 @@
+"""What ``bench convergence`` and ``bench scaling`` train (``--workload``).
+
+- ``lm``: the char LM of examples/train_lm.py (a small GPT on Shakespeare);
+- ``digits``: the CNN of examples/train_digits.py (scikit-learn's 8x8 digits);
+- ``gru``: :class:`CharGRU`, a character-level GRU on the Python standard library's own
+  sources: another architecture (a recurrent network, no attention, no LayerNorm) on other
+  data (code), to be run with other betas (``--beta2 0.999``). Nothing to download: the text
+  is the ``*.py`` files at the top of this interpreter's ``sysconfig`` stdlib directory.
+
+Each builder takes the example module it needs and the bench's arguments and returns a
+:class:`Workload`. Rank r's batches come from its own generator (seed·1000 + r, set by the
+bench); the validation batches are fixed.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Workload:
+    """What the bench trains: the model (its parameters the common initial x), how a rank draws
+    its next batch from its own generator, the loss of the model's output, the fixed validation
+    batches, and the learning rate of step t."""
+    model: torch.nn.Module
+    batch: Callable[[torch.Generator], tuple]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    val_batches: list
+    lr_fn: Callable[[int], float]
+
+
+def lm_workload(train_lm, args) -> Workload:
+    """The char LM of examples/train_lm.py: its corpus split 90/10, its batches and its warm-up
+    and cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345)."""
+    text = train_lm.load_corpus()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    torch.manual_seed(args.seed)
+    model = train_lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
+    gen = torch.Generator().manual_seed(12345)
+    val = [train_lm.get_batch(data[split:], args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
+    lam = train_lm.lr_lambda(args.warmup, args.steps)
+    return Workload(model, lambda g: train_lm.get_batch(data[:split], args.batch_size, args.block_size, g),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), val,
+                    lambda t: args.lr * lam(t - 1))
+
+
+def digits_workload(train_digits, args) -> Workload:
+    """The CNN of examples/train_digits.py on scikit-learn's digits: each rank draws
+    ``args.batch_size`` images at random from the whole training split (80 %), the validation
+    loss is over the test split in one batch, and the learning rate is ``args.lr`` throughout
+    (as that example)."""
+    (xtr, ytr), val = train_digits.load(args.seed)
+    torch.manual_seed(args.seed)
+
+    def batch(g):
+        idx = torch.randint(len(ytr), (args.batch_size,), generator=g)
+        return xtr[idx], ytr[idx]
+    return Workload(train_digits.make_model(), batch, F.cross_entropy, [val], lambda t: args.lr)
+
+
+def stdlib_corpus() -> torch.Tensor:
+    """The ``*.py`` files at the top of this interpreter's stdlib directory, in sorted order,
+    concatenated, as ASCII codes: int64[n], values in [0, 128), non-ASCII characters as ``?``
+    (4.70 M characters under CPython 3.11). Raises FileNotFoundError where there are none."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    if not files:
+        raise FileNotFoundError(f"no *.py files in {sysconfig.get_paths()['stdlib']!r}: the gru workload "
+                                "trains on the Python standard library's sources")
+    text = "".join(open(f, encoding="utf-8", errors="replace").read() for f in files)
+    return torch.frombuffer(bytearray(text.encode("ascii", "replace")), dtype=torch.uint8).long()
+
+
+class CharGRU(nn.Module):
+    """Embedding -> ``layers`` GRU layers of width ``d`` -> linear head over the 128 ASCII codes.
+
+    The GRU is written out (the equations of ``torch.nn.GRU``, h0 = 0) so that
+    ``torch.func.vmap`` batches the P ranks' copies; ``forward``: int64[B, T] -> float32[B, T, vocab]."""
+
+    def __init__(self, vocab: int, d: int, layers: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.ih = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.hh = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for ih, hh in zip(self.ih, self.hh):
+            h = x.new_zeros(x.shape[0], x.shape[2])
+            out = []
+            for xt in ih(x).unbind(1):  # unbind, not x[:, t]: its backward is one stack, not T copies
+                r, z, n = xt.chunk(3, -1)
+                hr, hz, hn = hh(h).chunk(3, -1)
+                r, z = torch.sigmoid(r + hr), torch.sigmoid(z + hz)
+                h = (1 - z) * torch.tanh(n + r * hn) + z * h
+                out.append(h)
+            x = torch.stack(out, 1)
+        return self.head(x)
+
+
+def gru_workload(train_lm, args) -> Workload:
+    """:class:`CharGRU` (``args.n_layer`` layers of width ``args.n_embd``) on :func:`stdlib_corpus`,
+    split 90/10, with train_lm's batches (``args.batch_size`` windows of ``args.block_size``) and
+    its warm-up and cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345)."""
+    data = stdlib_corpus()
+    split = int(0.9 * len(data))
+    torch.manual_seed(args.seed)
+    model = CharGRU(128, args.n_embd, args.n_layer)
+    gen = torch.Generator().manual_seed(12345)
+    val = [train_lm.get_batch(data[split:], args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
+    lam = train_lm.lr_lambda(args.warmup, args.steps)
+    return Workload(model, lambda g: train_lm.get_batch(data[:split], args.batch_size, args.block_size, g),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), val,
+                    lambda t: args.lr * lam(t - 1))
+
+
+def build(name: str, examples, args) -> Workload:
+    """The workload ``name`` (``"lm"``, ``"digits"`` or ``"gru"``); ``examples``: a function of an
+    example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module."""
+    if name == "lm":
+        return lm_workload(examples("train_lm"), args)
+    if name == "digits":
+        return digits_workload(examples("train_digits"), args)
+    if name == "gru":
+        return gru_workload(examples("train_lm"), args)
+    raise ValueError(f"workload={name!r}: choose lm, digits or gru")
