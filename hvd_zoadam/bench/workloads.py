@@ -36,22 +36,30 @@ class Workload:
     lr_fn: Callable[[int], float]
 
 
-def lm_workload(train_lm, args) -> Workload:
-    """The char LM of examples/train_lm.py: its corpus split 90/10, its batches and its warm-up
-    and cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345)."""
-    text = train_lm.load_corpus()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+def _char_workload(train_lm, args, data: torch.Tensor, make_model) -> Workload:
+    """A next-character workload on ``data`` (int64[n] character codes) split 90/10, with
+    train_lm's batches (``args.batch_size`` windows of ``args.block_size``) and its warm-up and
+    cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345). The model
+    is ``make_model()`` right after ``torch.manual_seed(args.seed)``."""
     split = int(0.9 * len(data))
     torch.manual_seed(args.seed)
-    model = train_lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
+    model = make_model()
     gen = torch.Generator().manual_seed(12345)
     val = [train_lm.get_batch(data[split:], args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
     lam = train_lm.lr_lambda(args.warmup, args.steps)
     return Workload(model, lambda g: train_lm.get_batch(data[:split], args.batch_size, args.block_size, g),
                     lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), val,
                     lambda t: args.lr * lam(t - 1))
+
+
+def lm_workload(train_lm, args) -> Workload:
+    """The char LM of examples/train_lm.py (:func:`_char_workload` on its corpus)."""
+    text = train_lm.load_corpus()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    return _char_workload(train_lm, args, data, lambda: train_lm.CharGPT(len(chars), args.block_size, args.n_layer,
+                                                                         args.n_embd, args.n_head))
 
 
 def digits_workload(train_digits, args) -> Workload:
@@ -109,19 +117,9 @@ class CharGRU(nn.Module):
 
 
 def gru_workload(train_lm, args) -> Workload:
-    """:class:`CharGRU` (``args.n_layer`` layers of width ``args.n_embd``) on :func:`stdlib_corpus`,
-    split 90/10, with train_lm's batches (``args.batch_size`` windows of ``args.block_size``) and
-    its warm-up and cosine learning rate; ``args.eval_batches`` fixed validation batches (seed 12345)."""
-    data = stdlib_corpus()
-    split = int(0.9 * len(data))
-    torch.manual_seed(args.seed)
-    model = CharGRU(128, args.n_embd, args.n_layer)
-    gen = torch.Generator().manual_seed(12345)
-    val = [train_lm.get_batch(data[split:], args.batch_size, args.block_size, gen) for _ in range(args.eval_batches)]
-    lam = train_lm.lr_lambda(args.warmup, args.steps)
-    return Workload(model, lambda g: train_lm.get_batch(data[:split], args.batch_size, args.block_size, g),
-                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), val,
-                    lambda t: args.lr * lam(t - 1))
+    """:class:`CharGRU` (``args.n_layer`` layers of width ``args.n_embd``) on :func:`stdlib_corpus`
+    (:func:`_char_workload`: train_lm's batches and learning rate)."""
+    return _char_workload(train_lm, args, stdlib_corpus(), lambda: CharGRU(128, args.n_embd, args.n_layer))
 
 
 def build(name: str, examples, args) -> Workload:
