@@ -132,3 +132,20 @@ def test_the_gru_workloads_model_is_torchs_gru_and_reads_the_stdlib():
     data = stdlib_corpus()
     assert data.dtype == torch.int64 and len(data) > 10 ** 6 and int(data.max()) < 128
     assert "def " in bytes(data[:200000].tolist()).decode("ascii")
+
+
+@pytest.mark.timeout(300)
+def test_scaling_runs_the_gru_workload(tmp_path):
+    """``bench scaling --workload gru`` end to end at tiny settings: Adam and 0/1 Adam at P = 2,
+    finite losses near ln 128 after a few steps, and 0/1 Adam's bytes below Adam's."""
+    cmd = [sys.executable, "-m", "hvd_zoadam.bench", "scaling", "--workload", "gru", "--ranks", "2",
+           "--steps", "8", "--warmup", "2", "--n-layer", "1", "--n-embd", "8", "--block-size", "8",
+           "--batch-size", "2", "--eval-batches", "1", "--beta2", "0.999", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout)["rows"]["2"]
+    assert list(row) == ["adam", "zoadam"]
+    for name in row:
+        assert 3.5 < row[name]["val_loss"] < 5.5, name  # ln 128 = 4.85: barely trained
+    assert 0 < row["zoadam"]["bytes_vs_adam"] < 1
+    assert json.loads(proc.stdout)["settings"]["beta2"] == 0.999
