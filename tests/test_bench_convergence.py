@@ -135,7 +135,7 @@ def test_the_gru_workloads_model_is_torchs_gru_and_reads_the_stdlib():
 
 
 @pytest.mark.timeout(300)
-def test_scaling_runs_the_gru_workload(tmp_path):
+def test_scaling_runs_the_gru_workload():
     """``bench scaling --workload gru`` end to end at tiny settings: Adam and 0/1 Adam at P = 2,
     finite losses near ln 128 after a few steps, and 0/1 Adam's bytes below Adam's."""
     cmd = [sys.executable, "-m", "hvd_zoadam.bench", "scaling", "--workload", "gru", "--ranks", "2",

@@ -8,9 +8,7 @@ equal; the drawn cases allow a float32 rounding of difference."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +20,6 @@ from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.oracle.simulate import (simulate_compressed_allreduce, simulate_hierarchical_allreduce,
                                         simulate_zoadam)
 from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _buffers(n, world_size, local, gen, noise=0.1):
@@ -180,22 +176,16 @@ def test_an_exchange_that_meets_a_non_finite_scale_stops_the_oracle_by_name():
             simulate_zoadam(params, poisoned, stacked=stacked, **kw)
 
 
-def _example(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("workload", ["lm", "digits", "gru"])
 def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank(workload):
     """The char LM, the digits CNN and the GRU at P = 3 ranks with different parameters: the vmap'd
     gradients and validation losses equal the per-rank backward and forward passes to float32
     rounding, and each rank draws its own batches."""
     from hvd_zoadam.bench import convergence, workloads
+    from hvd_zoadam.bench.lm import example_module
     args = argparse.Namespace(ranks=3, seed=5, n_layer=1, n_embd=16, n_head=4, block_size=16, batch_size=4,
                               eval_batches=2, eval_every=0, warmup=2, steps=10, lr=1e-3)
-    work = workloads.build(workload, _example, args)
+    work = workloads.build(workload, example_module, args)
     names = [n for n, _ in work.model.named_parameters()]
     base = torch.cat([p.detach().reshape(-1) for p in work.model.parameters()])
     xs = base + 0.05 * torch.randn(3, base.numel(), generator=torch.Generator().manual_seed(1))

@@ -13,6 +13,7 @@ bench); the validation batches are fixed.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sysconfig
@@ -76,10 +77,13 @@ def digits_workload(train_digits, args) -> Workload:
     return Workload(train_digits.make_model(), batch, F.cross_entropy, [val], lambda t: args.lr)
 
 
+@functools.lru_cache(maxsize=1)
 def stdlib_corpus() -> torch.Tensor:
     """The ``*.py`` files at the top of this interpreter's stdlib directory, in sorted order,
     concatenated, as ASCII codes: int64[n], values in [0, 128), non-ASCII characters as ``?``
-    (4.70 M characters under CPython 3.11). Raises FileNotFoundError where there are none."""
+    (4.70 M characters under CPython 3.11), read once per process and the same tensor after
+    (``bench scaling`` builds the workload at every P): read it, do not modify it. Raises
+    FileNotFoundError where there are none."""
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
     if not files:
         raise FileNotFoundError(f"no *.py files in {sysconfig.get_paths()['stdlib']!r}: the gru workload "
