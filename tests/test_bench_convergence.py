@@ -143,9 +143,10 @@ def test_scaling_runs_the_gru_workload():
            "--batch-size", "2", "--eval-batches", "1", "--beta2", "0.999", "--threads", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    row = json.loads(proc.stdout)["rows"]["2"]
+    report = json.loads(proc.stdout)
+    row = report["rows"]["2"]
     assert list(row) == ["adam", "zoadam"]
     for name in row:
         assert 3.5 < row[name]["val_loss"] < 5.5, name  # ln 128 = 4.85: barely trained
     assert 0 < row["zoadam"]["bytes_vs_adam"] < 1
-    assert json.loads(proc.stdout)["settings"]["beta2"] == 0.999
+    assert report["settings"]["beta2"] == 0.999
