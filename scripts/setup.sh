@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for hvd_zoadam on a fresh Debian machine with Python 3.11.
-#   - Debian's OpenMPI (openmpi-bin, libopenmpi-dev) and cmake 3.x
+#   - Debian's OpenMPI (openmpi-bin, libopenmpi-dev), cmake 3.x, g++, and Python's headers and venv
+#     module where missing (pythonX.Y-dev, pythonX.Y-venv)
 #   - a .venv in the repository root
 #   - torch (the installed one if any, else torch==2.13.0), numba, mpi4py, test and demo deps
 #   - Horovod 0.28.1 built with PyTorch, Gloo and MPI, patched to C++17; the built
@@ -24,6 +25,12 @@ need_apt=()
 command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(find /usr/lib /usr/include -name mpi.h -path '*openmpi*' 2>/dev/null | head -1)" ] || need_apt+=(libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)  # Horovod's C++ build
+PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# Horovod's extension includes Python.h; `python -m venv` needs ensurepip (Debian splits both out)
+"$PY" -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+  || need_apt+=("python$PYVER-dev")
+"$PY" -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=("python$PYVER-venv")
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
