@@ -205,6 +205,33 @@ def test_the_benchs_batched_gradients_and_losses_equal_one_pass_per_rank(workloa
     assert losses == pytest.approx(want, rel=1e-5)
 
 
+def test_the_benchs_vmap_chunks_give_the_same_gradients_and_losses_to_the_last_bit():
+    """``--vmap-chunk-size``: the char LM at P = 5 with different parameters per rank, two ranks
+    per vmap'd call (three calls, the last one short) against all five at once: the gradients
+    and validation losses are bitwise equal, and every rank's gradient is its own."""
+    from hvd_zoadam.bench import convergence, workloads
+    from hvd_zoadam.bench.lm import example_module
+    args = argparse.Namespace(ranks=5, seed=5, n_layer=1, n_embd=16, n_head=4, block_size=16, batch_size=4,
+                              eval_batches=2, eval_every=0, warmup=2, steps=10, lr=1e-3)
+    work = workloads.build("lm", example_module, args)
+    names = [n for n, _ in work.model.named_parameters()]
+    base = torch.cat([p.detach().reshape(-1) for p in work.model.parameters()])
+    xs = base + 0.05 * torch.randn(5, base.numel(), generator=torch.Generator().manual_seed(2))
+    whole = convergence._batched_grad_fn(work, names, argparse.Namespace(**vars(args), vmap_chunk_size=0))
+    chunked = convergence._batched_grad_fn(work, names, argparse.Namespace(**vars(args), vmap_chunk_size=2))
+    calls = []
+    work.model.register_forward_pre_hook(lambda module, inputs: calls.append(inputs[0].shape))
+    for step in (1, 2):
+        want = whole(step, xs)
+        assert len(calls) == 1
+        got = chunked(step, xs)
+        assert len(calls) == 4  # chunks of 2, 2 and 1 ranks
+        calls.clear()
+        assert torch.equal(got, want)
+        assert not torch.allclose(got[3], got[4])
+    assert convergence._val_losses(work, names, xs, 2) == convergence._val_losses(work, names, xs)
+
+
 def test_the_sync_momentum_average_ablation_starts_at_the_second_sync():
     """``sync_momentum_average``: 0 is 0/1 Adam bit for bit; with a > 0 nothing changes until
     a SYNC step has a previous one to average with, and x moves apart the step after it."""
