@@ -18,8 +18,9 @@ standard library's sources (:mod:`hvd_zoadam.bench.workloads`). Rank r draws its
 generator (seed·1000 + r). ``--oracle batched`` (the default) computes the P ranks' gradients
 with ``torch.func.vmap``, ``--vmap-chunk-size`` ranks at a time (vmap's ``chunk_size``; the
 gradients are the same to the last bit whatever the chunk, and on a 2-core CPU chunks of 4 ran
-several times as fast as all ranks at once, for reasons not profiled), and exchanges through the stacked oracle, which is what makes
-P = 128 possible on a CPU; ``per-rank`` runs one backward pass per rank.
+several times as fast as all ranks at once, for reasons not profiled), and exchanges through the
+stacked oracle, which is what makes P = 128 possible on a CPU; ``per-rank`` runs one backward pass
+per rank.
 
 Prints (and with ``--json`` writes) one JSON object: the settings, and per variant the final
 validation loss (the mean over ranks of each rank's model, on the same fixed batches), its gap
