@@ -150,3 +150,58 @@ def test_scaling_runs_the_gru_workload():
         assert 3.5 < row[name]["val_loss"] < 5.5, name  # ln 128 = 4.85: barely trained
     assert 0 < row["zoadam"]["bytes_vs_adam"] < 1
     assert report["settings"]["beta2"] == 0.999
+
+
+@pytest.mark.timeout(600)
+def test_convergence_takes_adams_row_from_an_earlier_report_with_the_same_settings(tmp_path):
+    """--baseline-json: Adam's row is the earlier report's (not trained again: its wall time and
+    the file are in the row), other 0/1 Adam knobs may differ, and the gaps are to that Adam; a
+    setting that decides Adam's path (--lr) differing, or a file that is not a report, is an
+    error naming it, before any training."""
+    tiny = ["--ranks", "2", "--steps", "8", "--warmup", "3", "--n-layer", "1", "--n-embd", "16", "--block-size", "16",
+            "--batch-size", "4", "--eval-batches", "2", "--threads", "1"]
+    bench = [sys.executable, "-m", "hvd_zoadam.bench", "convergence"]
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    proc = subprocess.run(bench + tiny + ["--variants", "zoadam", "--json", str(first)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    adam = json.loads(first.read_text())["variants"]["adam"]
+    proc = subprocess.run(bench + tiny + ["--variants", "zoadam", "--scale-block-numel", "32", "--baseline-json",
+                                          str(first), "--json", str(second)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(second.read_text())["variants"]
+    assert rows["adam"]["baseline_json"] == str(first)
+    assert (rows["adam"]["val_loss"], rows["adam"]["wall_s"]) == (adam["val_loss"], adam["wall_s"])
+    assert f"P=2 adam: val loss {adam['val_loss']:.4f} (from {first})" in proc.stderr
+    assert rows["zoadam"]["vs_adam"] == pytest.approx(rows["zoadam"]["val_loss"] / adam["val_loss"] - 1, abs=1e-12)
+    proc = subprocess.run(bench + tiny + ["--lr", "0.001", "--baseline-json", str(first)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and "lr: 0.002 there, 0.001 here" in proc.stderr, proc.stderr[-2000:]
+    assert "val loss" not in proc.stderr
+    junk = tmp_path / "junk.json"
+    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, which is not JSON
+    proc = subprocess.run(bench + tiny + ["--baseline-json", str(junk)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 2 and "not a `bench convergence` report" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_convergence_writes_its_json_after_each_variant(tmp_path, monkeypatch):
+    """A run stopped after Adam's row keeps that row in its --json (the training is stubbed)."""
+    import argparse
+    import torch
+    from hvd_zoadam.bench import convergence
+    from hvd_zoadam.bench.workloads import Workload
+    out = tmp_path / "partial.json"
+    work = Workload(model=torch.nn.Linear(2, 2), batch=None, loss=None, val_batches=[], lr_fn=None)
+    monkeypatch.setattr(convergence, "build", lambda *a: work)
+
+    def row(name, work, init, args):
+        if name != "adam":
+            raise KeyboardInterrupt
+        return {"val_loss": 1.5, "bytes_per_rank": 8.0}
+    monkeypatch.setattr(convergence, "_variant_row", row)
+    args = argparse.Namespace(threads=torch.get_num_threads(), workload="lm", variants="zoadam", json=str(out), ranks=2)
+    with pytest.raises(KeyboardInterrupt):
+        convergence.run(args, None)
+    assert json.loads(out.read_text())["variants"] == {"adam": {"val_loss": 1.5, "bytes_per_rank": 8.0}}

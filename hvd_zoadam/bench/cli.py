@@ -749,7 +749,10 @@ def main(argv=None) -> int:
         report = cmd_kernels(args)
     elif args.cmd == "convergence":
         from hvd_zoadam.bench.lm import example_module
-        report = _bench_convergence.run(args, example_module)
+        try:
+            report = _bench_convergence.run(args, example_module)
+        except _bench_convergence.BaselineError as exc:
+            ap.error(str(exc))
     elif args.cmd == "scaling":
         from hvd_zoadam.bench.lm import example_module
         report = _bench_convergence.run_scaling(args, example_module)

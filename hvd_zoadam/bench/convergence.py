@@ -27,7 +27,10 @@ validation loss (the mean over ranks of each rank's model, on the same fixed bat
 to Adam, the time it took, and the bytes each rank would send in the real job by the
 transport's own formulas (:func:`_bytes`). With ``--eval-every k`` also the validation curve
 (the same mean every k steps) and ``steps_to_target``, the first evaluated step at or below
-``target_val_loss``: Adam's loss at its first evaluation at or after 2/3 of the steps.
+``target_val_loss``: Adam's loss at its first evaluation at or after 2/3 of the steps. With
+``--json`` the file is rewritten after each variant, so a run stopped midway keeps its finished
+rows. ``--baseline-json`` takes Adam's row from an earlier report whose settings match in all
+that decides Adam's path (:func:`baseline_row`), which halves a P = 128 run.
 
 ``scaling`` runs ``convergence`` at each P of ``--ranks`` (0/1 Adam flat, and two-level with
 nodes of ``--ranks-per-node``) and reports the rows side by side (:func:`run_scaling`).
@@ -123,7 +126,7 @@ def _batched_grad_fn(work: Workload, names, args, curve=None):
 
     def loss(params, x, y):
         return work.loss(torch.func.functional_call(work.model, params, (x,)), y)
-    chunk = getattr(args, "vmap_chunk_size", None) or None
+    chunk = _chunk_size(args)
     grads = torch.func.vmap(torch.func.grad(loss), chunk_size=chunk)
 
     def grad_fn(step, xs):
@@ -136,6 +139,11 @@ def _batched_grad_fn(work: Workload, names, args, curve=None):
                     torch.stack([y for _, y in batches]))
         return torch.cat([out[name].reshape(xs.shape[0], -1) for name in names], dim=1)
     return grad_fn
+
+
+def _chunk_size(args):
+    """vmap's ``chunk_size`` from ``--vmap-chunk-size``: None (all ranks at once) for 0 or absent."""
+    return getattr(args, "vmap_chunk_size", None) or None
 
 
 def _unflatten(names, shapes, xs) -> dict:
@@ -192,64 +200,123 @@ def _adam(names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
     return xs
 
 
+# Settings that do not touch Adam's path: a baseline from a report that differs only in these
+# can stand in for training Adam again (``--baseline-json``).
+BASELINE_FREE = ("variants", "threads", "vmap_chunk_size", "baseline_json", "ranks_per_node", "scale_block_numel",
+                 "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
+                 "local_step_policy", "var_update_weighting")
+
+
+class BaselineError(ValueError):
+    """``--baseline-json`` names a file that is not a convergence report with an Adam row, or
+    whose settings differ from this run's in one that decides Adam's path."""
+
+
+def baseline_row(path: str, settings: dict) -> dict:
+    """Adam's row of an earlier ``bench convergence`` report (its ``--json``), to stand in for
+    training Adam again. Its settings must equal ``settings`` (this run's) in every key but
+    :data:`BASELINE_FREE`. The file is read as JSON, nothing else.
+
+    Raises :class:`BaselineError` naming the file and, for a mismatch, each setting with both
+    values."""
+    try:
+        report = json.loads(Path(path).read_text())
+        old, adam = report["settings"], report["variants"]["adam"]
+        loss = float(adam["val_loss"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BaselineError(f"--baseline-json {path}: not a `bench convergence` report with an Adam row "
+                            f"({type(exc).__name__}: {exc}); give the --json of an earlier convergence run") from None
+    if not math.isfinite(loss):
+        raise BaselineError(f"--baseline-json {path}: Adam's val_loss is {loss}; give a run that finished")
+    differ = [f"{key}: {old.get(key, '(absent)')!r} there, {settings.get(key, '(absent)')!r} here"
+              for key in sorted(set(old) | set(settings)) if key not in BASELINE_FREE and old.get(key) != settings.get(key)]
+    if differ:
+        raise BaselineError(f"--baseline-json {path}: its Adam ran with other settings ({'; '.join(differ)}); "
+                            "run with the same settings, or without --baseline-json")
+    keep = ("val_loss", "wall_s", "bytes_per_rank", "curve")
+    return {**{k: adam[k] for k in keep if k in adam}, "baseline_json": str(path)}
+
+
 def run(args, examples) -> dict:
     """The convergence report (see the module docstring). ``examples``: a function of the
-    example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module."""
+    example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module. With
+    ``args.json`` the report so far is rewritten after each variant (a run stopped midway keeps
+    its finished rows; the gaps to Adam come with the last write). Raises :class:`BaselineError`
+    (before any training) for an unusable ``--baseline-json``."""
     torch.set_num_threads(args.threads)
-    batched = args.oracle == "batched"
-    work = build(args.workload, examples, args)
-    model, lr_fn = work.model, work.lr_fn
-    names = [n for n, _ in model.named_parameters()]
-    init = [p.detach().clone() for p in model.parameters()]
-    decay_of = dict((n, p.dim() >= 2) for n, p in model.named_parameters()).get
-    weight_decay = torch.cat([torch.full((p.numel(),), args.weight_decay if p.dim() >= 2 else 0.0)
-                              for p in model.parameters()])
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "variants": {}}
+    baseline = baseline_row(args.baseline_json, report["settings"]) if getattr(args, "baseline_json", None) else None
+    work = build(args.workload, examples, args)
+    init = [p.detach().clone() for p in work.model.parameters()]  # now: the oracle writes into the model
     runs = args.variants.split(",")
     if "adam" not in runs:
         runs = ["adam"] + runs
     for name in runs:
-        start = time.perf_counter()
-        curve = {}
-        grad_fn = (_batched_grad_fn if batched else _grad_fn)(work, names, args, curve)
-        if name == "adam":
-            final = [_adam(names, init, grad_fn, lr_fn, decay_of, args, batched)]
-            trace, kinds = None, None
+        if name == "adam" and baseline:
+            report["variants"][name] = baseline
+            print(f"[convergence] P={args.ranks} adam: val loss {baseline['val_loss']:.4f} "
+                  f"(from {baseline['baseline_json']})", file=sys.stderr, flush=True)
         else:
-            try:
-                final, trace, kinds = _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched)
-            except FloatingPointError as exc:  # a diverged variant is a result, not a crash
-                report["variants"][name] = {"val_loss": math.nan, "diverged": str(exc), "bytes_per_rank": math.nan,
-                                            "wall_s": round(time.perf_counter() - start, 1)}
-                print(f"[convergence] P={args.ranks} {name}: diverged ({exc})", file=sys.stderr, flush=True)
-                continue
-        if batched:
-            xs = torch.stack([torch.cat([x.reshape(-1) for x in rank]) for rank in final])
-            losses = _val_losses(work, names, xs, args.vmap_chunk_size or None)
-            loss = sum(losses) / len(losses)
-        else:
-            loss = _val_loss(work, names, final)
-        row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1),
-               **_bytes(name, kinds, [p.numel() for p in init], args)}
-        if curve:
-            row["curve"] = [[t, sum(v) / len(v)] for t, v in sorted(curve.items())] + [[args.steps, loss]]
-        if trace:
-            row["error_feedback"] = _summarise(trace)
-        report["variants"][name] = row
-        print(f"[convergence] P={args.ranks} {name}: val loss {loss:.4f} ({row['wall_s']} s)", file=sys.stderr,
-              flush=True)
+            report["variants"][name] = _variant_row(name, work, init, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    _compare(report, args)
+    return report
+
+
+def _variant_row(name: str, work: Workload, init: list, args) -> dict:
+    """One variant (``"adam"`` or a key of :data:`VARIANTS`) trained from ``init`` (the model's
+    parameters before any training, in its order): its report row. A variant that diverges is a
+    row saying so, not an error."""
+    batched = args.oracle == "batched"
+    model = work.model
+    names = [n for n, _ in model.named_parameters()]
+    start = time.perf_counter()
+    curve = {}
+    grad_fn = (_batched_grad_fn if batched else _grad_fn)(work, names, args, curve)
+    if name == "adam":
+        decay_of = dict((n, p.dim() >= 2) for n, p in model.named_parameters()).get
+        final = [_adam(names, init, grad_fn, work.lr_fn, decay_of, args, batched)]
+        trace, kinds = None, None
+    else:
+        weight_decay = torch.cat([torch.full((p.numel(),), args.weight_decay if p.dim() >= 2 else 0.0)
+                                  for p in model.parameters()])
+        try:
+            final, trace, kinds = _zoadam(name, init, grad_fn, args, work.lr_fn, weight_decay, batched)
+        except FloatingPointError as exc:  # a diverged variant is a result, not a crash
+            print(f"[convergence] P={args.ranks} {name}: diverged ({exc})", file=sys.stderr, flush=True)
+            return {"val_loss": math.nan, "diverged": str(exc), "bytes_per_rank": math.nan,
+                    "wall_s": round(time.perf_counter() - start, 1)}
+    if batched:
+        xs = torch.stack([torch.cat([x.reshape(-1) for x in rank]) for rank in final])
+        losses = _val_losses(work, names, xs, _chunk_size(args))
+        loss = sum(losses) / len(losses)
+    else:
+        loss = _val_loss(work, names, final)
+    row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1),
+           **_bytes(name, kinds, [p.numel() for p in init], args)}
+    if curve:
+        row["curve"] = [[t, sum(v) / len(v)] for t, v in sorted(curve.items())] + [[args.steps, loss]]
+    if trace:
+        row["error_feedback"] = _summarise(trace)
+    print(f"[convergence] P={args.ranks} {name}: val loss {loss:.4f} ({row['wall_s']} s)", file=sys.stderr, flush=True)
+    return row
+
+
+def _compare(report: dict, args) -> None:
+    """Each row's gaps to Adam's loss and bytes; with ``--eval-every``, the steps each row takes
+    to Adam's loss at 2/3 of the steps (``target_val_loss``, ``steps_to_target``)."""
     adam = report["variants"]["adam"]
     for row in report["variants"].values():
         row["vs_adam"] = row["val_loss"] / adam["val_loss"] - 1
         row["bytes_vs_adam"] = row["bytes_per_rank"] / adam["bytes_per_rank"] if adam["bytes_per_rank"] else None
         if "between_nodes_per_rank" in row and adam["bytes_per_rank"]:
             row["between_nodes_vs_adam"] = row["between_nodes_per_rank"] / adam["bytes_per_rank"]
-    if "curve" in report["variants"]["adam"]:
-        target = next(v for t, v in report["variants"]["adam"]["curve"] if t >= 2 * args.steps / 3)
+    if "curve" in adam:
+        target = next(v for t, v in adam["curve"] if t >= 2 * args.steps / 3)
         report["target_val_loss"] = target
         for row in report["variants"].values():
             row["steps_to_target"] = next((t for t, v in row.get("curve", []) if v <= target), None)
-    return report
 
 
 def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched=False):
@@ -375,6 +442,10 @@ def add_parser(sub) -> None:
     co.add_argument("--eval-every", type=int, default=0,
                     help="validation loss every k steps, and the steps each variant needs to reach Adam's loss "
                          "at 2/3 of the steps (0: the final loss only)")
+    co.add_argument("--baseline-json", metavar="PATH",
+                    help="take Adam's row from this earlier convergence report (its --json) instead of training "
+                         "Adam again; its settings must match this run's except the 0/1 Adam knobs, --variants, "
+                         "--threads and --vmap-chunk-size")
     _add_knobs(co)
     sc = sub.add_parser("scaling", help="Adam against 0/1 Adam, flat and two-level, at several world sizes: "
                                         "validation loss, gap and bytes per rank")
