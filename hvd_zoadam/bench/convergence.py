@@ -222,14 +222,17 @@ def baseline_row(path: str, settings: dict) -> dict:
     try:
         report = json.loads(Path(path).read_text())
         old, adam = report["settings"], report["variants"]["adam"]
-        loss = float(adam["val_loss"])
+        loss, _ = float(adam["val_loss"]), float(adam["bytes_per_rank"])
+        if not isinstance(old, dict):
+            raise TypeError(f"its settings are a {type(old).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BaselineError(f"--baseline-json {path}: not a `bench convergence` report with an Adam row "
                             f"({type(exc).__name__}: {exc}); give the --json of an earlier convergence run") from None
     if not math.isfinite(loss):
         raise BaselineError(f"--baseline-json {path}: Adam's val_loss is {loss}; give a run that finished")
-    differ = [f"{key}: {old.get(key, '(absent)')!r} there, {settings.get(key, '(absent)')!r} here"
-              for key in sorted(set(old) | set(settings)) if key not in BASELINE_FREE and old.get(key) != settings.get(key)]
+    keys = sorted(k for k in set(old) | set(settings) if k not in BASELINE_FREE)
+    differ = [f"{k}: {old.get(k, '(absent)')!r} there, {settings.get(k, '(absent)')!r} here"
+              for k in keys if old.get(k) != settings.get(k)]
     if differ:
         raise BaselineError(f"--baseline-json {path}: its Adam ran with other settings ({'; '.join(differ)}); "
                             "run with the same settings, or without --baseline-json")
@@ -247,7 +250,8 @@ def run(args, examples) -> dict:
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "variants": {}}
     baseline = baseline_row(args.baseline_json, report["settings"]) if getattr(args, "baseline_json", None) else None
     work = build(args.workload, examples, args)
-    init = [p.detach().clone() for p in work.model.parameters()]  # now: the oracle writes into the model
+    # copied before any variant runs: the per-rank oracle writes each rank's x into the model
+    init = [p.detach().clone() for p in work.model.parameters()]
     runs = args.variants.split(",")
     if "adam" not in runs:
         runs = ["adam"] + runs
