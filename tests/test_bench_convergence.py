@@ -179,6 +179,11 @@ def test_convergence_takes_adams_row_from_an_earlier_report_with_the_same_settin
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2 and "lr: 0.002 there, 0.001 here" in proc.stderr, proc.stderr[-2000:]
     assert "val loss" not in proc.stderr
+    proc = subprocess.run(bench + ["--ranks", "4"] + tiny[2:] + ["--oracle", "per-rank", "--eval-every", "4", "--baseline-json", str(first)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    for named in ("eval_every: 0 there, 4 here", "oracle: 'batched' there, 'per-rank' here", "ranks: 2 there, 4 here"):
+        assert named in proc.stderr
     junk = tmp_path / "junk.json"
     junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, which is not JSON
     proc = subprocess.run(bench + tiny + ["--baseline-json", str(junk)], cwd=ROOT, capture_output=True, text=True,
@@ -186,22 +191,39 @@ def test_convergence_takes_adams_row_from_an_earlier_report_with_the_same_settin
     assert proc.returncode == 2 and "not a `bench convergence` report" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_convergence_writes_its_json_after_each_variant(tmp_path, monkeypatch):
-    """A run stopped after Adam's row keeps that row in its --json (the training is stubbed)."""
-    import argparse
+def _stub_training(monkeypatch, stop_at):
+    """``convergence``'s workload and training replaced by stubs: each row is {"val_loss": P,
+    "bytes_per_rank": 8.0}, and the row ``stop_at`` = (P, name) raises KeyboardInterrupt."""
     import torch
     from hvd_zoadam.bench import convergence
     from hvd_zoadam.bench.workloads import Workload
-    out = tmp_path / "partial.json"
     work = Workload(model=torch.nn.Linear(2, 2), batch=None, loss=None, val_batches=[], lr_fn=None)
     monkeypatch.setattr(convergence, "build", lambda *a: work)
 
     def row(name, work, init, args):
-        if name != "adam":
+        if (args.ranks, name) == stop_at:
             raise KeyboardInterrupt
-        return {"val_loss": 1.5, "bytes_per_rank": 8.0}
+        return {"val_loss": float(args.ranks), "bytes_per_rank": 8.0}
     monkeypatch.setattr(convergence, "_variant_row", row)
-    args = argparse.Namespace(threads=torch.get_num_threads(), workload="lm", variants="zoadam", json=str(out), ranks=2)
+    return convergence
+
+
+def test_convergence_and_scaling_keep_their_finished_rows_in_the_json(tmp_path, monkeypatch):
+    """A convergence run stopped after Adam's row keeps that row in its --json; a scaling run
+    stopped inside its second P keeps the first P's rows (the training is stubbed)."""
+    import argparse
+    import torch
+    out = tmp_path / "partial.json"
+    convergence = _stub_training(monkeypatch, (2, "zoadam"))
+    args = argparse.Namespace(threads=torch.get_num_threads(), workload="lm", variants="zoadam", json=str(out),
+                              ranks=2)
     with pytest.raises(KeyboardInterrupt):
         convergence.run(args, None)
-    assert json.loads(out.read_text())["variants"] == {"adam": {"val_loss": 1.5, "bytes_per_rank": 8.0}}
+    assert json.loads(out.read_text())["variants"] == {"adam": {"val_loss": 2.0, "bytes_per_rank": 8.0}}
+    convergence = _stub_training(monkeypatch, (4, "zoadam"))
+    args = argparse.Namespace(threads=torch.get_num_threads(), workload="lm", json=str(out), ranks="2,4",
+                              ranks_per_node=8)
+    with pytest.raises(KeyboardInterrupt):
+        convergence.run_scaling(args, None)
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["2"] and rows["2"]["zoadam"]["vs_adam"] == 0.0

@@ -752,7 +752,8 @@ def main(argv=None) -> int:
         try:
             report = _bench_convergence.run(args, example_module)
         except _bench_convergence.BaselineError as exc:
-            ap.error(str(exc))
+            print(f"{ap.prog} convergence: error: {exc}", file=sys.stderr)
+            return 2
     elif args.cmd == "scaling":
         from hvd_zoadam.bench.lm import example_module
         report = _bench_convergence.run_scaling(args, example_module)

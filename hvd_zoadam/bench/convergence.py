@@ -202,7 +202,7 @@ def _adam(names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
 
 # Settings that do not touch Adam's path: a baseline from a report that differs only in these
 # can stand in for training Adam again (``--baseline-json``).
-BASELINE_FREE = ("variants", "threads", "vmap_chunk_size", "baseline_json", "ranks_per_node", "scale_block_numel",
+BASELINE_FREE = ("variants", "vmap_chunk_size", "baseline_json", "ranks_per_node", "scale_block_numel",
                  "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
                  "local_step_policy", "var_update_weighting")
 
@@ -448,8 +448,8 @@ def add_parser(sub) -> None:
                          "at 2/3 of the steps (0: the final loss only)")
     co.add_argument("--baseline-json", metavar="PATH",
                     help="take Adam's row from this earlier convergence report (its --json) instead of training "
-                         "Adam again; its settings must match this run's except the 0/1 Adam knobs, --variants, "
-                         "--threads and --vmap-chunk-size")
+                         "Adam again; its settings must match this run's except the 0/1 Adam knobs, --variants "
+                         "and --vmap-chunk-size (--threads too: it may change the last bits)")
     _add_knobs(co)
     sc = sub.add_parser("scaling", help="Adam against 0/1 Adam, flat and two-level, at several world sizes: "
                                         "validation loss, gap and bytes per rank")
@@ -470,7 +470,7 @@ def run_scaling(args, examples) -> dict:
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "rows": {}}
     for p in [int(r) for r in args.ranks.split(",")]:
         local = args.ranks_per_node
-        one = argparse.Namespace(**{**vars(args), "ranks": p, "eval_every": 0,
+        one = argparse.Namespace(**{**vars(args), "ranks": p, "eval_every": 0, "json": None,
                                     "variants": "zoadam" + (",two-level" if p % local == 0 and p // local >= 2 else "")})
         variants = run(one, examples)["variants"]
         report["rows"][str(p)] = {name: {k: row[k] for k in SCALING_KEYS if k in row} for name, row in variants.items()}
