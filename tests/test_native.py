@@ -255,7 +255,10 @@ def test_decompress_into_momentum_is_bitwise_the_reference(case, beta1):
     got = native.decompress_momentum(packed, sscales, native.Plan(offsets, y.numel(), p, 0), m, beta1)
     assert torch.equal(got, want)
     g = reference.decompress(packed, sscales, offsets, n)  # and torch's lerp (an FMA) to rounding
-    torch.testing.assert_close(got, e[:n].clone().lerp_(g, 1 - beta1), rtol=1e-6, atol=1e-7 * float(sscales.max()))
+    # the kernels round g - m before scaling it, so they part from lerp by float32's rounding of
+    # |g| + |m|, which the scales alone do not bound when m is the larger (beta1 = 0, a small scale)
+    atol = 1.2e-7 * (float(sscales.max()) + float(e[:n].abs().max()))
+    torch.testing.assert_close(got, e[:n].clone().lerp_(g, 1 - beta1), rtol=1e-6, atol=atol)
 
 
 @settings(max_examples=30, deadline=None)
