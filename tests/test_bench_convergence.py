@@ -155,9 +155,9 @@ def test_scaling_runs_the_gru_workload():
 @pytest.mark.timeout(600)
 def test_convergence_takes_adams_row_from_an_earlier_report_with_the_same_settings(tmp_path):
     """--baseline-json: Adam's row is the earlier report's (not trained again: its wall time and
-    the file are in the row), other 0/1 Adam knobs may differ, and the gaps are to that Adam; a
-    setting that decides Adam's path (--lr) differing, or a file that is not a report, is an
-    error naming it, before any training."""
+    the file are in the row), other 0/1 Adam knobs may differ, and the gaps are to that Adam;
+    settings that decide Adam's path (--lr; --ranks, --oracle, --eval-every) differing, or a file
+    that is not a report, is an error naming each, before any training."""
     tiny = ["--ranks", "2", "--steps", "8", "--warmup", "3", "--n-layer", "1", "--n-embd", "16", "--block-size", "16",
             "--batch-size", "4", "--eval-batches", "2", "--threads", "1"]
     bench = [sys.executable, "-m", "hvd_zoadam.bench", "convergence"]
@@ -179,8 +179,9 @@ def test_convergence_takes_adams_row_from_an_earlier_report_with_the_same_settin
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2 and "lr: 0.002 there, 0.001 here" in proc.stderr, proc.stderr[-2000:]
     assert "val loss" not in proc.stderr
-    proc = subprocess.run(bench + ["--ranks", "4"] + tiny[2:] + ["--oracle", "per-rank", "--eval-every", "4", "--baseline-json", str(first)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    other = ["--ranks", "4"] + tiny[2:] + ["--oracle", "per-rank", "--eval-every", "4"]
+    proc = subprocess.run(bench + other + ["--baseline-json", str(first)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]
     for named in ("eval_every: 0 there, 4 here", "oracle: 'batched' there, 'per-rank' here", "ranks: 2 there, 4 here"):
         assert named in proc.stderr

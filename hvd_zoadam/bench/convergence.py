@@ -222,7 +222,8 @@ def baseline_row(path: str, settings: dict) -> dict:
     try:
         report = json.loads(Path(path).read_text())
         old, adam = report["settings"], report["variants"]["adam"]
-        loss, _ = float(adam["val_loss"]), float(adam["bytes_per_rank"])
+        loss = float(adam["val_loss"])
+        float(adam["bytes_per_rank"])  # the gaps in bytes divide by it
         if not isinstance(old, dict):
             raise TypeError(f"its settings are a {type(old).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
