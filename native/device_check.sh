@@ -18,7 +18,12 @@ PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/hvd_zoadam_device_check}
 NUMEL=${NUMEL:-4000000}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# hvd_zoadam.native maps to native/ only through the installed package (setup.cfg's package_dir):
+# on a bare machine, an editable install without dependencies or an index
+if ! "$PY" -c 'import hvd_zoadam.native' >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.txt" 2>&1 \
+        || { cat "$OUT/install.txt"; echo "device_check: pip install -e . failed" >&2; exit 1; }
+fi
 
 "$PY" - <<'PY' | tee "$OUT/env.txt"
 import numba, torch
