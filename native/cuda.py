@@ -43,6 +43,10 @@ from numba import cuda, float32, float64, int64, uint8
 from .cpu import BLOCK, _half_to_f32
 
 TPB = 256
+# The sign bits of one segment of at most BLOCK elements, and 16 more for a byte either side. A
+# module constant: numba.cuda sizes a shared array only from a constant, and an expression such
+# as ``BLOCK + 16`` inside a kernel types as int64 (the simulator accepts it; a GPU does not).
+BITS_SH = BLOCK + 16
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 
@@ -252,7 +256,7 @@ def _make_kernels(decode):
         group are written here; the group's head and tail bytes, which it may share with its
         neighbours, go to ``part_val[g, 0/1]`` for :func:`merge_bytes`."""
         z_sh = cuda.shared.array(BLOCK, dtype=float32)
-        bits_sh = cuda.shared.array(BLOCK + 16, dtype=uint8)
+        bits_sh = cuda.shared.array(BITS_SH, dtype=uint8)
         acc_sh = cuda.shared.array(TPB, dtype=float64)
         s_sh = cuda.shared.array(1, dtype=float32)
         g = cuda.blockIdx.x
@@ -389,7 +393,7 @@ def _server_fused(recv, wscales, server_error, chunk_start, tasks, groups, scale
     and ``server_error <- c - scale*sign``: bitwise the three two-pass kernels. Bytes wholly
     inside the group are written here, its head and tail bytes go to ``part_val``."""
     z_sh = cuda.shared.array(BLOCK, dtype=float32)
-    bits_sh = cuda.shared.array(BLOCK + 16, dtype=uint8)
+    bits_sh = cuda.shared.array(BITS_SH, dtype=uint8)
     acc_sh = cuda.shared.array(TPB, dtype=float64)
     s_sh = cuda.shared.array(1, dtype=float32)
     g = cuda.blockIdx.x

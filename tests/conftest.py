@@ -100,7 +100,7 @@ def run_threads(world_size: int, fn, timeout_s: float = 60.0, ranks_per_node: in
     return results
 
 
-# -- hypothesis cases shared by the CPU kernel tests (test_native.py) and the CUDA ones (cuda/) --
+# -- hypothesis cases shared by the CPU kernel tests (test_native.py) and the CUDA ones (gpu/) --
 
 # zeros of both signs, subnormals, values near float32's overflow, ordinary ones
 SPECIALS = (0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1e-30, 1.0)

@@ -1,4 +1,4 @@
-"""Runs tests/cuda under the CUDA simulator, which CI has instead of a GPU: the numba.cuda
+"""Runs tests/gpu under the CUDA simulator, which CI has instead of a GPU: the numba.cuda
 kernels, and the optimizer and ``compressed_allreduce`` on the CUDA code path.
 
 The simulator is chosen when numba is imported (``NUMBA_ENABLE_CUDASIM``), so it needs a
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_cuda_kernels_pass_under_the_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", HVD_ZOADAM_CUDA_TEST_NUMEL="3000")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           str(ROOT / "tests" / "cuda")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           str(ROOT / "tests" / "gpu")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1800)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -128,3 +128,16 @@ def test_no_class_is_over_about_300_lines():
            for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.ClassDef)
            and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
     assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
+
+
+# Top-level names of the GPU stack that a test package must not take: pytest puts tests/ on
+# sys.path, so a package tests/cuda is imported as ``cuda`` and hides NVIDIA's cuda-bindings
+# (``cuda.bindings``), which numba-cuda imports on a GPU (not under the simulator).
+GPU_STACK_NAMES = {"cuda", "numba", "torch", "triton", "cupy", "nvidia", "mpi4py", "horovod"}
+
+
+def test_no_test_package_shadows_a_gpu_stack_module():
+    packages = {p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")}
+    assert packages, "tests/ should hold the GPU tests' package"
+    assert not packages & GPU_STACK_NAMES, (
+        f"test packages {sorted(packages & GPU_STACK_NAMES)} would shadow the modules of that name")
