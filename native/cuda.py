@@ -532,6 +532,16 @@ def _grid(n: int) -> int:
     return max(1, (n + TPB - 1) // TPB)
 
 
+def _check_group_sizes(bounds: np.ndarray, name: str) -> None:
+    """The one-pass kernels hold a group in shared memory (``BLOCK`` float32 and ``BITS_SH``
+    bytes per thread block): a larger group would write past them, which a GPU does not catch.
+    Raises ValueError naming ``plan.<name>`` and its largest group (``bounds``: int64[ngroups, 2])."""
+    largest = int((bounds[:, 1] - bounds[:, 0]).max()) if len(bounds) else 0
+    if largest > BLOCK:
+        raise ValueError(f"plan.{name} has a group of {largest} elements; the one-pass CUDA kernels take at "
+                         f"most BLOCK = {BLOCK}: build it with cpu.make_groups(offsets) (block <= {BLOCK})")
+
+
 def device_plan(plan, device) -> dict:
     """The plan's index arrays as kernel arguments on ``device`` (numpy in the simulator)."""
     def seg_ptr(tasks):
@@ -545,6 +555,7 @@ def device_plan(plan, device) -> dict:
     if plan.groups is not None:  # the one-pass worker kernel's groups and their shared bytes
         host["groups"] = plan.groups
         host["group_bounds"] = plan.offsets[plan.groups].reshape(-1, 2)
+        _check_group_sizes(host["group_bounds"], "groups")
         host["part_val"] = np.zeros((max(1, len(plan.groups)), 2), dtype=np.uint8)
     server_groups = plan.server_groups
     if server_groups is not None:  # the one-pass server kernel's groups of tasks
@@ -552,6 +563,7 @@ def device_plan(plan, device) -> dict:
         host["server_bounds"] = np.stack([plan.server_tasks[server_groups[:, 0], 1],
                                           plan.server_tasks[server_groups[:, 1] - 1, 2]], axis=1) - plan.chunk_start
         host["server_part_val"] = np.zeros((len(server_groups), 2), dtype=np.uint8)
+        _check_group_sizes(host["server_bounds"], "server_groups")
     if SIMULATOR:
         return {k: np.ascontiguousarray(v) for k, v in host.items()}
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in host.items()}

@@ -93,7 +93,7 @@ def test_one_pass_worker_kernel_is_bitwise_the_two_passes(case, unpadded, block,
     n, big = sum(numels), y.numel()
     offsets = segment_offsets(numels)
     plan = native.Plan(offsets, big, p, 0)
-    plan.groups = cpu.make_groups(plan.offsets, max([block, *numels]))
+    plan.groups = cpu.make_groups(plan.offsets, min(cpu.BLOCK, max([block, *numels])))  # None past BLOCK
     kcuda.forget_plan_arrays(plan)
     assume(plan.groups is not None and len(plan.groups))
     y_in = dev(y[:n] if unpadded else y)
@@ -111,6 +111,26 @@ def test_one_pass_worker_kernel_is_bitwise_the_two_passes(case, unpadded, block,
         assert torch.equal(fe.cpu(), e)
     else:
         assert torch.equal(fe.cpu(), ge.cpu())
+
+
+def test_one_pass_kernels_refuse_a_group_past_their_shared_memory():
+    """Groups of more than BLOCK elements (the one-pass kernels' shared buffers) are refused before
+    any launch: on a GPU they would write past shared memory (an illegal address, or worse)."""
+    numels = [3000, 3000]
+    plan = native.Plan(segment_offsets(numels), 6000, 1, 0)
+    plan.groups = cpu.make_groups(plan.offsets, 6000)
+    assert len(plan.groups) == 1
+    kcuda.forget_plan_arrays(plan)
+    with pytest.raises(ValueError, match=r"plan.groups has a group of 6000 elements.*BLOCK = 4096"):
+        kcuda.compress_fused(dev(torch.ones(6000)), dev(torch.zeros(6000)), plan, dev(torch.zeros(2)),
+                             dev(torch.zeros(750, dtype=torch.uint8)))
+    plan = native.Plan(segment_offsets(numels), 6000, 1, 0)
+    tasks = plan.server_tasks
+    plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), 6000)
+    kcuda.forget_plan_arrays(plan)
+    with pytest.raises(ValueError, match=r"plan.server_groups has a group of 6000 elements"):
+        kcuda.server_reduce(dev(torch.zeros(1, 750, dtype=torch.uint8)), dev(torch.ones(1, 2)), dev(torch.zeros(6000)),
+                            plan, dev(torch.zeros(750, dtype=torch.uint8)), dev(torch.zeros(2)))
 
 
 def server_case(case, rank_seed):
@@ -151,7 +171,7 @@ def test_one_pass_server_kernel_is_bitwise_the_two_passes(case, rank_seed, block
     tasks = plan.server_tasks
     assume(len(tasks))
     sizes = (tasks[:, 2] - tasks[:, 1]).tolist()
-    plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), max([block, *sizes]))
+    plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), min(cpu.BLOCK, max([block, *sizes])))
     kcuda.forget_plan_arrays(plan)
     assume(plan.server_groups is not None)
     two_se, one_se = dev(se.clone()), dev(se.clone())
