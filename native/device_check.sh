@@ -2,6 +2,7 @@
 # Device check of the numba.cuda kernels, for a machine with an NVIDIA GPU.
 #
 #   bash native/device_check.sh            # from the repository root, in the project's venv
+#   PYTHON=python3 bash native/device_check.sh   # or with a Python that has torch and numba-cuda
 #
 # Runs tests/gpu on CUDA tensors: the kernels at full size (up to NUMEL elements per case; CI
 # runs the same tests under the CUDA simulator at ~3000) and the optimizer with CUDA parameters

@@ -4,8 +4,9 @@ These run where the CUDA kernels can run: under the CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, CPU tensors, small sizes: ~0.3 ms per simulated
 thread; ``tests/test_cuda_simulator.py`` starts them so in CI) or on a real GPU
 (``native/device_check.sh``, CUDA tensors, sizes up to ``HVD_ZOADAM_CUDA_TEST_NUMEL``).
-Elsewhere they skip. The kernels use no warp intrinsics, so the simulator covers the
-very code paths the GPU runs; what it cannot show is speed and real concurrency.
+Elsewhere they skip. The kernels use no warp intrinsics, so the simulator runs the code
+paths the GPU runs, but as Python: it does not compile them (``native/ptx_check.py`` does,
+``tests/test_cuda_compile.py``), and it cannot show speed or real concurrency.
 
 What must hold ("two targets, one semantics"): bits and errors bitwise the
 CPU kernels' for the same scales; scales equal up to float64 summation order.
