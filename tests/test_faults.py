@@ -227,13 +227,15 @@ def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step(scal
 
 
 
-@pytest.mark.parametrize("pattern", ["plain", "clip-on-one-rank", "lr-changed"])
+@pytest.mark.parametrize("pattern", ["plain", "clip-on-one-rank", "lr-changed", "inf-on-one-rank"])
 def test_a_sync_steps_exchange_starts_in_backward_and_a_late_change_is_exchanged_as_it_is(pattern):
     """Past the freeze the hooks take a SYNC step's local update on copies of x and m and start
     each bucket's round 1 during backward(), except at the first step after the freeze (which
     sets the anchor in step()). The parameters equal overlap=False bit for bit; a gradient
     clipped after backward() on one rank, or a learning rate changed between backward() and
-    step(), is exchanged as it is at step() on every rank."""
+    step(), is exchanged as it is at step() on every rank. A parameter made infinite on one
+    rank skips every later SYNC exchange on every rank, and then the other rank keeps its
+    local update, which ``step()`` takes after the skip when the hooks started the exchange."""
     knobs = dict(var_freeze_step=2, var_update_scaler=1, local_step_scaler=32768, local_step_clipper=1)
     kinds = [hvd_zoadam.Schedule(**knobs).kind(t) for t in range(1, 9)]
     assert kinds[2:] == [StepKind.SYNC] * 6
@@ -249,6 +251,9 @@ def test_a_sync_steps_exchange_starts_in_backward_and_a_late_change_is_exchanged
             for t in range(1, 9):
                 opt.zero_grad()
                 before = opt.transport.counter.rounds["sync"]
+                if pattern == "inf-on-one-rank" and t == 5 and rank == 1:
+                    with torch.no_grad():
+                        next(model.parameters()).view(-1)[0] = float("inf")
                 common.loss_fn(model, t, rank).backward()
                 during_backward.append(opt.transport.counter.rounds["sync"] - before)
                 if pattern == "clip-on-one-rank" and t == 5 and rank == 1:
@@ -257,17 +262,23 @@ def test_a_sync_steps_exchange_starts_in_backward_and_a_late_change_is_exchanged
                     for group in opt.param_groups:
                         group["lr"] = group["lr"] * 0.5
                 opt.step()
-        return [q.detach().clone() for q in model.parameters()], during_backward, len(opt._buckets), opt._warned_changed
+        return ([q.detach().clone() for q in model.parameters()], during_backward, len(opt._buckets), opt._warned_changed,
+                opt.comm_stats()["skipped_steps"])
 
     early = run_threads(2, lambda r, tr: body(r, tr, True))
     plain = run_threads(2, lambda r, tr: body(r, tr, False))
     for r in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(early[r][0], plain[r][0]))
+        nan_here = r == 1 and pattern == "inf-on-one-rank"
+        assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) if nan_here else torch.equal(a, b)
+                   for a, b in zip(early[r][0], plain[r][0]))
         nb = early[r][2]
         assert nb >= 3
         assert early[r][1] == [0, 0, 0] + [nb] * 5  # step 3 is the first after the freeze
         assert plain[r][1] == [0] * 8
-        assert early[r][3] is (pattern != "plain")  # both ranks redid the exchange
+        assert early[r][3] is (pattern in ("clip-on-one-rank", "lr-changed"))  # both ranks redid the exchange
+        assert early[r][4] == plain[r][4] == (4 if pattern == "inf-on-one-rank" else 0)  # steps 5-8 skipped
+    if pattern == "inf-on-one-rank":  # rank 0 kept its local update at steps 5-8
+        assert all(torch.isfinite(q).all() for q in early[0][0])
 
 
 def _fault_opt(transport):

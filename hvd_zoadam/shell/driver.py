@@ -261,7 +261,8 @@ class StepDriver:
         self._synchronized = False
         counters = self._counters
         self.transport.counter.kind = kind.value
-        ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange)
+        ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange,
+                          started_early=frozenset(self._sync_started))
         k = self.algorithm.apply(ctx, kind, skip)
         skip = skip or ctx.skipped
         self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))

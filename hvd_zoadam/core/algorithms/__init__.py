@@ -34,6 +34,8 @@ class StepContext:
     exchange of :func:`hvd_zoadam.comm.protocol.exchange_buckets` (False: skipped on every rank).
     skipped: set by a step function whose own exchange was skipped on every rank (a
     non-finite input somewhere), so that the step counts as skipped.
+    started_early: ``id()`` of the buckets whose exchange the backward hooks already started
+    (a SYNC step's: its input was taken from a local update on copies of x and m).
     """
 
     engine: object
@@ -42,3 +44,4 @@ class StepContext:
     exchanged: bool
     exchange: object
     skipped: bool = False
+    started_early: frozenset = frozenset()

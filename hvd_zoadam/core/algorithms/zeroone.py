@@ -155,9 +155,11 @@ class ZeroOneAdam:
         """A SYNC step's exchange input for bucket ``b``, from the backward hooks before
         ``step()``: the window's update u after this step's local update, into the padded
         float32 ``buf``, with x, m and the window left as they are (the local update runs on
-        copies). ``step()`` then takes the same local update on x and m, bitwise alike, and
-        completes the exchange. Returns False, writing nothing, when the bucket's window did not
-        move (its learning rates sum to 0: the step sends nothing for it)."""
+        copies). ``step()`` completes the exchange and rebuilds x and m from it, which
+        overwrites both, so it takes the local update on x and m for real only if the exchange
+        is skipped (bitwise the same update: nothing it reads has changed). Returns False,
+        writing nothing, when the bucket's window did not move (its learning rates sum to 0:
+        the step sends nothing for it)."""
         group = engine.param_groups[b.group_index]
         lr_sum, decay_product = window_after(group)
         if not lr_sum > 0:
@@ -254,6 +256,10 @@ class _SyncStep:
     exchange cost a fresh bucket-sized allocation per bucket and step, slower than the
     recomputation. With one bucket its x stays in the scratch until the rebuild, so the
     local update's x is written to the parameters only if the bucket is not rebuilt.
+
+    A bucket whose exchange the backward hooks started (``ctx.started_early``) has its local
+    update taken only if the exchange is skipped: otherwise the rebuild, which reads neither x
+    nor m, overwrites them both.
     """
 
     def __init__(self, algorithm: ZeroOneAdam, ctx: StepContext, k: int):
@@ -268,19 +274,30 @@ class _SyncStep:
         engine, ctx = self.engine, self.ctx
         defer = len(engine.buckets) == 1
         for b in engine.buckets:
-            x = self.algorithm.local_update(engine, b, engine.hyper(b, ctx.step, self.k), self.denom(b))
-            if not defer:
-                engine.scatter(x, b.params)
-            self.x_for = b
+            if id(b) not in ctx.started_early:
+                self.local_update(b, scatter=not defer)
         advance_window(engine.param_groups)
         # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
         live = [b for b in engine.buckets if engine.param_groups[b.group_index]["lr_sum"] > 0]
         if ctx.exchange(live, self.fill, self.consume, self.consume_packed):
             for group in engine.param_groups:
                 group["lr_sum"], group["decay_product"] = 0.0, 1.0
-        if defer and id(engine.buckets[0]) not in self.rebuilt:  # skipped, or a window that did not move
-            b = engine.buckets[0]
-            engine.scatter(self.x(b), b.params)
+        elif live:
+            ctx.skipped = True
+        for b in engine.buckets:  # not rebuilt: the exchange was skipped, or the window did not move
+            if id(b) in self.rebuilt:
+                continue
+            if id(b) in ctx.started_early:
+                self.local_update(b, scatter=True)
+            elif defer:
+                engine.scatter(self.x(b), b.params)
+
+    def local_update(self, b, scatter: bool) -> None:
+        """SYNC step 1 on bucket ``b`` (:meth:`ZeroOneAdam.local_update`); its x stays in the scratch."""
+        x = self.algorithm.local_update(self.engine, b, self.engine.hyper(b, self.ctx.step, self.k), self.denom(b))
+        if scatter:
+            self.engine.scatter(x, b.params)
+        self.x_for = b
 
     def denom(self, b):
         if self.denom_for is not b:
