@@ -111,7 +111,7 @@ class StepDriver:
 
     def _start_sync(self, bi: int, step: int):
         """Fill bucket ``bi``'s exchange input for a SYNC step (the window's update after this
-        step's local update, which ``step()`` takes for real) and start round 1. Returns round 1's
+        step's local update, taken on copies) and start round 1. Returns round 1's
         handle, or None for a bucket whose window did not move (it sends nothing)."""
         b = self._buckets[bi]
         if not self.algorithm.sync_input(self._engine, b, step, self._counters, b.exchange.input):
