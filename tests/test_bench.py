@@ -9,12 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from conftest import BIN, ROOT, run_cmd
 
-from hvd_zoadam.bench.cli import step_time
+from hvd_zoadam.bench.cli import DEFAULT_RUNS, _horovod_env_flags, step_time
+from hvd_zoadam.bench.lm import cores_used, thread_cpu_seconds
 
 
 def bench(*args, timeout_s=600):
@@ -26,12 +28,12 @@ def bench(*args, timeout_s=600):
 def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
     rep = bench("network", "--rate", "1gbit", "--steps", "8", "--warmup", "3", "--skip", "1", "--png", str(png),
-                "--eval-every", "4", "--breakdown",
+                "--eval-every", "4", "--breakdown", "--runs", ",".join([*DEFAULT_RUNS, "compute-horovod"]),
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
     assert set(runs) == {"adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd",
-                         "compute", "onebit", "diloco-h8", "diloco-h32"}
+                         "compute", "compute-horovod", "onebit", "diloco-h8", "diloco-h32"}
     for name, r in runs.items():
         assert r["ok"], (name, r.get("error"))
         assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["world_size"] == 2
@@ -75,6 +77,12 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     # the ceiling is the slowest rank's speed: nothing paces the compute-only ranks otherwise
     assert len(runs["compute"]["steps_per_s_by_rank"]) == 2
     assert runs["compute"]["steps_per_s"] == min(runs["compute"]["steps_per_s_by_rank"])
+    h = runs["compute-horovod"]  # the same with Horovod started: its ceiling, taken the same way
+    assert len(h["steps_per_s_by_rank"]) == 2 and h["steps_per_s"] == min(h["steps_per_s_by_rank"])
+    assert "rounds" not in h and ratios["zoadam_steps_per_s_vs_compute-horovod"] == z["steps_per_s"] / h["steps_per_s"]
+    for name, r in runs.items():  # the cores rank 0's threads used over the timed span
+        if not name.startswith("diloco"):
+            assert 0 < r["cpu_cores"]["training_thread"] <= 1.05 and r["cpu_cores"]["other_threads"] >= 0, name
     assert "latency NOT shaped" in rep["note"] and png.stat().st_size > 0
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "zo" not in " ".join(line.split()[0] for line in out.splitlines() if line.startswith("zo"))
@@ -87,6 +95,27 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
             assert sum(parts[k] for k in parts if k not in ("steps", "wall")) == pytest.approx(parts["wall"]), name
     assert runs["compute"]["breakdown"]["step"]["steps"] == 7 and "breakdown" not in runs["diloco-h8"]
     assert z["breakdown"]["sync"]["kernels"] > 0 and z["breakdown"]["local"]["wire"] == 0
+
+
+def test_thread_cpu_seconds_reads_each_threads_ticks_and_cores_used_splits_the_training_thread(tmp_path):
+    ticks = os.sysconf("SC_CLK_TCK")
+    # /proc/<pid>/task/<tid>/stat: pid (comm) state, then fields 4..; utime and stime are 14 and 15
+    for tid, comm, utime, stime in ((11, "python", 3 * ticks, ticks), (12, "a (b) c", ticks // 2, 0)):
+        (tmp_path / str(tid)).mkdir()
+        rest = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5
+        (tmp_path / str(tid) / "stat").write_text(f"{tid} ({comm}) " + " ".join(rest) + "\n")
+    assert thread_cpu_seconds(str(tmp_path)) == {11: 4.0, 12: 0.5}
+    assert thread_cpu_seconds(str(tmp_path / "missing")) is None
+    start, end = {11: 4.0, 12: 0.5}, {11: 6.0, 12: 1.0, 13: 0.5}  # thread 13 started in between
+    assert cores_used(start, end, 4.0, training_thread=11) == {"training_thread": 0.5, "other_threads": 0.25}
+    assert cores_used(None, end, 4.0) is None and cores_used(start, end, 0.0) is None
+    mine = thread_cpu_seconds()  # this process, on Linux: the calling thread is among them
+    assert mine is None or threading.get_native_id() in mine
+
+
+def test_bench_network_hands_horovod_variables_to_the_ranks():
+    env = {"HOROVOD_CYCLE_TIME": "5", "PATH": "/bin", "HOROVOD_FUSION_THRESHOLD": "0", "XHOROVOD_NO": "1"}
+    assert _horovod_env_flags(env) == ["-x", "HOROVOD_CYCLE_TIME", "-x", "HOROVOD_FUSION_THRESHOLD"]
 
 
 def test_bench_step_reports_each_kind_against_adamw():

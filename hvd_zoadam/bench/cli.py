@@ -9,7 +9,8 @@
   ``torchrun`` (one agent per host, static rendezvous at host 1) through
   :mod:`hvd_zoadam.distributed` over a Gloo group, (d) DDP + PowerSGD over gloo,
   (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only (its slowest rank:
-  no collective paces its ranks, and the slowest one paces a data-parallel job). Ranks run
+  no collective paces its ranks, and the slowest one paces a data-parallel job; on request
+  also with Horovod started, ``compute-horovod``, the ceiling of a Horovod job). Ranks run
   unbound (``--bind-to none``), one torch/Numba thread each. Per run: steps/s
   (after the first ``--skip`` steps), bytes each rank put on its link (the veth's TX
   counter, so every system is measured alike, TCP/IP headers included), the run's own
@@ -54,6 +55,7 @@ RUN_LABELS = {
     "ddp-powersgd": "(d) DDP + PowerSGD",
     "ddp-localsgd": "(e) DDP + post-local SGD",
     "compute": "(f) compute only",
+    "compute-horovod": "(f) compute only, Horovod started",
     "onebit": "(g) hvd_zoadam 1-bit Adam",
     "diloco-h8": "(h) torchft DiLoCo, H = 8",
     "diloco-h32": "(h) torchft DiLoCo, H = 32",
@@ -110,7 +112,8 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     cmd = ["mpirun", *net.mpirun_args(), "--mca", "coll_tuned_use_dynamic_rules", "1",
            "--mca", "coll_tuned_allreduce_algorithm", "3", "-H", hosts, "-np", str(len(net.addresses)),
            "-x", "PATH", "-x", "PYTHONPATH", "-x", "HVD_ZOADAM_ROOT", "-x", "PYTHONUNBUFFERED",
-           "-x", "GLOO_SOCKET_IFNAME", "-x", "NUMBA_NUM_THREADS", "-x", "OMP_NUM_THREADS", *worker]
+           "-x", "GLOO_SOCKET_IFNAME", "-x", "NUMBA_NUM_THREADS", "-x", "OMP_NUM_THREADS",
+           *_horovod_env_flags(os.environ), *worker]
     before = [_tx_bytes(ns) for ns in net.namespaces]
     env = dict(os.environ, HVD_ZOADAM_ROOT=str(ROOT), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
                PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="zeth0",  # DDP's gloo: the link, not the hostname
@@ -132,7 +135,7 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
               "wire_bytes_sent_per_rank": sum(sent) / len(sent)}
     if rc == 0 and out.exists():
         result.update(json.loads(out.read_text()), ok=True)
-        if run == "compute":  # the ceiling of a data-parallel job is its slowest rank's speed
+        if run in ("compute", "compute-horovod"):  # a data-parallel job's ceiling: its slowest rank's speed
             ranks = [json.loads(f.read_text()) for f in sorted(workdir.glob(f"{run}.json.rank*"))
                      if f.suffix[len(".rank"):].isdigit()]
             if ranks:
@@ -145,6 +148,12 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     else:
         result.update(ok=False, error=f"exit {rc}: {tail}")
     return result
+
+
+def _horovod_env_flags(environ) -> list:
+    """``-x NAME`` for each ``HOROVOD_*`` variable set here (e.g. ``HOROVOD_CYCLE_TIME``), so that
+    the ranks see it as under ``horovodrun``: the simulated hosts' launcher passes no environment."""
+    return [flag for name in sorted(environ) if name.startswith("HOROVOD_") for flag in ("-x", name)]
 
 
 def _breaks_down(run: str, args) -> bool:
@@ -161,13 +170,15 @@ def _breakdown(workdir: Path, run: str, world_size: int, skip: int) -> dict:
     rows = [row for row in _breakdown_mod.split_waits(ranks) if row["step"] > skip]
     return _breakdown_mod.table(rows, world_size)
 
+DEFAULT_RUNS = [run for run in RUN_LABELS if run != "compute-horovod"]
+
 
 def _ratios(results: list) -> dict:
     by = {r["run"]: r for r in results if r.get("ok")}
     z = by.get("zoadam")
     out = {}
     if z:
-        for other in ("adam", "adam-fp16", "ddp-powersgd", "ddp-localsgd", "compute"):
+        for other in ("adam", "adam-fp16", "ddp-powersgd", "ddp-localsgd", "compute", "compute-horovod"):
             if other in by:
                 out[f"zoadam_steps_per_s_vs_{other}"] = z["steps_per_s"] / by[other]["steps_per_s"]
                 if z.get("steady_steps_per_s") and by[other].get("steady_steps_per_s"):
@@ -230,7 +241,8 @@ def cmd_network(args) -> dict:
                 msg = (f"{rate:>8} {res['label']:<28} " + (
                     f"{res['steps_per_s']:.3f} steps/s ({res['steady_steps_per_s'] or 0:.3f} after warm-up), "
                     f"{res['wire_bytes_sent_per_rank'] / 2 ** 20:.1f} MiB/rank on "
-                    f"the wire, loss {res['final_loss']:.3f}" if res["ok"] else f"FAILED: {res['error'][-300:]}"))
+                    f"the wire, loss {res['final_loss']:.3f}" + _cores_text(res.get("cpu_cores"))
+                    if res["ok"] else f"FAILED: {res['error'][-300:]}"))
                 bar.write(msg, file=sys.stderr)
                 for kind, parts in (res.get("breakdown") or {}).items():
                     bar.write(f"{'':>8}   {kind:<10} {parts['steps']:>4} steps, ms/step: " + ", ".join(
@@ -251,6 +263,13 @@ def cmd_network(args) -> dict:
         if any(r["time_to_quality"] for r in report["rates"].values()):
             _quality_png(report, str(Path(args.png).with_suffix("")) + ".quality.png")
     return report
+
+
+def _cores_text(cores: dict | None) -> str:
+    """Rank 0's cores, training thread and the others (``cpu_cores`` of hvd_zoadam.bench.lm)."""
+    if not cores:
+        return ""
+    return f", rank 0 used {cores['training_thread']:.2f} + {cores['other_threads']:.2f} cores (training + other threads)"
 
 
 def _time_to_quality(results: list) -> dict:
@@ -688,7 +707,8 @@ def main(argv=None) -> int:
     net.add_argument("--eval-every", type=int, default=0,
                      help="validation loss on one fixed held-out set every k steps (0: never); with the adam "
                           "run the report gives each system's time to Adam's quality at 2/3 of the steps")
-    net.add_argument("--runs", default=",".join(RUN_LABELS), help="subset of " + ",".join(RUN_LABELS))
+    net.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"subset of {','.join(RUN_LABELS)} "
+                                                                    f"(default: all but compute-horovod)")
     net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                      help="extra worker flags, e.g. --n-layer 1 --n-embd 64, or 0/1 Adam's --var-update-scaler 8 "

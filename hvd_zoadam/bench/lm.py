@@ -19,13 +19,18 @@ Runs (``--run``):
   ddp-localsgd  torch DDP over gloo with post-local SGD: allreduce for --warmup steps, then local
                 steps with PeriodicModelAverager(period=--local-period)
   compute       the same training with no communication at all (the ceiling)
+  compute-horovod
+                the same as compute with Horovod started (hvd.init(): its background thread runs,
+                no collective in the steps): the ceiling of a Horovod job on the same cores
 
-Rank 0 writes ``--out`` (for ``compute`` every rank also writes ``--out``.rank<r>, so that
+Rank 0 writes ``--out`` (for the compute runs every rank also writes ``--out``.rank<r>, so that
 the bench can take the slowest rank as the ceiling): steps/s over the steps after the first ``--skip`` (numba compiles
 and DDP's bucket rebuild happen there), steps/s after ``--warmup`` (the steady state: 0/1
 Adam frozen, PowerSGD and local SGD started), wall seconds, mean train loss of the last 10 steps
 (averaged over ranks, except for ``compute``), and the run's own byte/round counts where it
-has them (hvd_zoadam's ``comm_stats()``; Adam's allreduce by formula).
+has them (hvd_zoadam's ``comm_stats()``; Adam's allreduce by formula), and the cores its
+threads used over the timed span (``cpu_cores``: the training thread's and the others'
+together, e.g. Horovod's background thread; Linux only).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +49,8 @@ import torch.nn.functional as F
 from hvd_zoadam.bench.breakdown import Breakdown
 
 RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd", "compute",
-        "onebit")
+        "compute-horovod", "onebit")
+COMPUTE_RUNS = ("compute", "compute-horovod")  # no collective in the steps: each rank reports its own speed
 ZOADAM_RUNS = ("zoadam", "zoadam-torchrun")
 
 
@@ -85,6 +92,34 @@ def backward_on_batch(model, opt, lm, data, args, gen):
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     return loss
+
+
+def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict | None:
+    """CPU seconds (user + system) of every thread of this process, ``{thread id: seconds}``,
+    read from ``task_dir`` (Linux's procfs); None where it cannot be read."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    try:
+        for tid in os.listdir(task_dir):
+            with open(f"{task_dir}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+    return out
+
+
+def cores_used(start: dict | None, end: dict | None, wall_s: float, training_thread: int | None = None) -> dict | None:
+    """Cores each part of the process used between two :func:`thread_cpu_seconds` readings
+    ``wall_s`` seconds apart: ``{"training_thread": c, "other_threads": c}`` (1.0 = one core
+    busy all the time; a thread started in between counts from 0). ``training_thread``: its
+    thread id, by default the calling thread's. None when either reading is missing."""
+    if start is None or end is None or not wall_s > 0:
+        return None
+    tid = threading.get_native_id() if training_thread is None else training_thread
+    used = {t: s - start.get(t, 0.0) for t, s in end.items()}
+    own = used.pop(tid, 0.0)
+    return {"training_thread": own / wall_s, "other_threads": sum(used.values()) / wall_s}
 
 
 class StepClock:
@@ -185,7 +220,7 @@ def main(argv=None):
     lm = _train_lm()
     torch.set_num_threads(1)
     hvd = dist = None
-    if args.run in ("adam", "adam-fp16", "zoadam", "onebit"):
+    if args.run in ("adam", "adam-fp16", "zoadam", "onebit", "compute-horovod"):
         import horovod.torch as hvd
         hvd.init()
         rank, world = hvd.rank(), hvd.size()
@@ -224,7 +259,7 @@ def main(argv=None):
                       var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                       local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
                       var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb)
-    elif hvd is not None:
+    elif args.run in ("adam", "adam-fp16", "onebit"):
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
         if args.run == "onebit":
             import hvd_zoadam
@@ -260,8 +295,11 @@ def main(argv=None):
     timer = Breakdown()  # its regions only; the library is wrapped with --breakdown alone
     if args.breakdown:
         timer.install(getattr(opt, "transport", None))
+    cpu = {}  # thread CPU seconds at the start and the end of the timed span
     for step in range(1, args.steps + 1):
         clock.tick(step)
+        if step == args.skip + 1:
+            cpu["start"] = thread_cpu_seconds()
         timer.begin_step(step)
         with timer.region("forward_backward"):
             loss = backward_on_batch(net, opt, lm, data, args, gen)
@@ -283,6 +321,7 @@ def main(argv=None):
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, world, step))
     elapsed = clock.elapsed()  # steps/s and wall times never include evaluations
+    cpu_cores = cores_used(cpu.get("start"), thread_cpu_seconds(), clock.end - clock.start)
     steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
     steady = ((args.steps - steady_from + 1) / (clock.end - clock.stamps[steady_from]
                                                 - sum(d for t, d in clock.eval_at.items() if t >= steady_from))
@@ -296,7 +335,7 @@ def main(argv=None):
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
            "steady_steps_per_s": steady, "steady_from_step": steady_from,
-           "params": n_params, "val_curve": clock.val_curve, "eval_seconds": clock.eval_s}
+           "params": n_params, "val_curve": clock.val_curve, "eval_seconds": clock.eval_s, "cpu_cores": cpu_cores}
     if args.run == "onebit":
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
@@ -324,7 +363,7 @@ def main(argv=None):
     if args.breakdown:
         timer.uninstall()
         Path(f"{args.out}.rank{rank}.breakdown").write_text(json.dumps(timer.to_json()))
-    if args.run == "compute":
+    if args.run in COMPUTE_RUNS:
         # Nothing paces the ranks against each other here: each reports its own speed, and the
         # bench takes the slowest, which is what would pace a data-parallel job.
         Path(f"{args.out}.rank{rank}").write_text(json.dumps(out))
