@@ -84,6 +84,7 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
         if not name.startswith("diloco"):
             assert 0 < r["cpu_cores"]["training_thread"] <= 1.05 and r["cpu_cores"]["other_threads"] >= 0, name
     assert "latency NOT shaped" in rep["note"] and png.stat().st_size > 0
+    assert rep["horovod_env"] == {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "zo" not in " ".join(line.split()[0] for line in out.splitlines() if line.startswith("zo"))
     # --breakdown: the timed steps (after --skip 1) of each kind, split into parts

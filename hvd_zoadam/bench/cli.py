@@ -226,6 +226,7 @@ def cmd_network(args) -> dict:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(RUN_LABELS)}")
     report = {"benchmark": "network", "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
               "skip": args.skip, "model_args": args.model_args, "sysctl": args.sysctl,
+              "horovod_env": {name: os.environ[name] for name in sorted(os.environ) if name.startswith("HOROVOD_")},
               "note": "bandwidth shaped with HTB on both ends of each link; latency NOT shaped (no netem in this "
                       "kernel; base RTT about 0.05 ms). steps/s are over the steps after the first --skip.",
               "rates": {}}
