@@ -45,6 +45,7 @@ from pathlib import Path
 
 from hvd_zoadam.bench import breakdown as _breakdown_mod, chaos as _bench_chaos, convergence as _bench_convergence, \
     load as _bench_load, resume as _bench_resume
+from hvd_zoadam.bench.lm import COMPUTE_RUNS
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
@@ -60,6 +61,7 @@ RUN_LABELS = {
     "diloco-h8": "(h) torchft DiLoCo, H = 8",
     "diloco-h32": "(h) torchft DiLoCo, H = 32",
 }
+DEFAULT_RUNS = [run for run in RUN_LABELS if run != "compute-horovod"]
 
 
 # -- network ---------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
               "wire_bytes_sent_per_rank": sum(sent) / len(sent)}
     if rc == 0 and out.exists():
         result.update(json.loads(out.read_text()), ok=True)
-        if run in ("compute", "compute-horovod"):  # a data-parallel job's ceiling: its slowest rank's speed
+        if run in COMPUTE_RUNS:  # the ceiling of a data-parallel job is its slowest rank's speed
             ranks = [json.loads(f.read_text()) for f in sorted(workdir.glob(f"{run}.json.rank*"))
                      if f.suffix[len(".rank"):].isdigit()]
             if ranks:
@@ -169,8 +171,6 @@ def _breakdown(workdir: Path, run: str, world_size: int, skip: int) -> dict:
     ranks = [json.loads((workdir / f"{run}.json.rank{r}.breakdown").read_text()) for r in range(world_size)]
     rows = [row for row in _breakdown_mod.split_waits(ranks) if row["step"] > skip]
     return _breakdown_mod.table(rows, world_size)
-
-DEFAULT_RUNS = [run for run in RUN_LABELS if run != "compute-horovod"]
 
 
 def _ratios(results: list) -> dict:
