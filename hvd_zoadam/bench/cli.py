@@ -152,10 +152,15 @@ def _network_run(net, run: str, args, workdir: Path) -> dict:
     return result
 
 
+def _horovod_env(environ) -> dict:
+    """The ``HOROVOD_*`` variables of ``environ`` (e.g. ``HOROVOD_CYCLE_TIME``), by name."""
+    return {name: environ[name] for name in sorted(environ) if name.startswith("HOROVOD_")}
+
+
 def _horovod_env_flags(environ) -> list:
-    """``-x NAME`` for each ``HOROVOD_*`` variable set here (e.g. ``HOROVOD_CYCLE_TIME``), so that
-    the ranks see it as under ``horovodrun``: the simulated hosts' launcher passes no environment."""
-    return [flag for name in sorted(environ) if name.startswith("HOROVOD_") for flag in ("-x", name)]
+    """``-x NAME`` for each of :func:`_horovod_env`, so that the ranks see them as under
+    ``horovodrun``: the simulated hosts' launcher passes no environment."""
+    return [flag for name in _horovod_env(environ) for flag in ("-x", name)]
 
 
 def _breaks_down(run: str, args) -> bool:
@@ -226,7 +231,7 @@ def cmd_network(args) -> dict:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(RUN_LABELS)}")
     report = {"benchmark": "network", "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
               "skip": args.skip, "model_args": args.model_args, "sysctl": args.sysctl,
-              "horovod_env": {name: os.environ[name] for name in sorted(os.environ) if name.startswith("HOROVOD_")},
+              "horovod_env": _horovod_env(os.environ),
               "note": "bandwidth shaped with HTB on both ends of each link; latency NOT shaped (no netem in this "
                       "kernel; base RTT about 0.05 ms). steps/s are over the steps after the first --skip.",
               "rates": {}}

@@ -97,14 +97,14 @@ def backward_on_batch(model, opt, lm, data, args, gen):
 def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict | None:
     """CPU seconds (user + system) of every thread of this process, ``{thread id: seconds}``,
     read from ``task_dir`` (Linux's procfs); None where it cannot be read."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     out = {}
     try:
+        ticks = os.sysconf("SC_CLK_TCK")
         for tid in os.listdir(task_dir):
             with open(f"{task_dir}/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
             out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    except (OSError, ValueError, IndexError):
+    except (AttributeError, OSError, ValueError, IndexError):  # no os.sysconf, no procfs
         return None
     return out
 
@@ -125,16 +125,19 @@ def cores_used(start: dict | None, end: dict | None, wall_s: float, training_thr
 class StepClock:
     """The wall clock of a timed run: a stamp at the start of every step, the timed span from
     step ``skip + 1`` on, and the validations, whose seconds never count in the span.
-    ``val_curve``: ``(step, wall seconds since step 1 less the validations so far, val loss)``."""
+    ``val_curve``: ``(step, wall seconds since step 1 less the validations so far, val loss)``.
+    ``cpu``: :func:`thread_cpu_seconds` at the start and the end of the span."""
 
     def __init__(self, skip: int):
         self.skip, self.stamps, self.start, self.end = skip, {}, None, None
         self.eval_s, self.eval_timed, self.val_curve, self.eval_at = 0.0, 0.0, [], {}
+        self.cpu = {"start": None, "end": None}
 
     def tick(self, step: int) -> None:
         self.stamps[step] = time.perf_counter()
         if step == self.skip + 1:
             self.start = self.stamps[step]
+            self.cpu["start"] = thread_cpu_seconds()
 
     def validate(self, step: int, val_loss) -> None:
         """Run ``val_loss()`` (a float) outside the timed span."""
@@ -149,7 +152,12 @@ class StepClock:
     def elapsed(self) -> float:
         """Seconds of the timed span, validations excluded (call once, after the last step)."""
         self.end = time.perf_counter()
+        self.cpu["end"] = thread_cpu_seconds()
         return self.end - self.start - self.eval_timed
+
+    def cores(self) -> dict | None:
+        """:func:`cores_used` over the timed span, validations included (call after :meth:`elapsed`)."""
+        return cores_used(self.cpu["start"], self.cpu["end"], self.end - self.start)
 
 
 def parse(argv=None):
@@ -295,11 +303,8 @@ def main(argv=None):
     timer = Breakdown()  # its regions only; the library is wrapped with --breakdown alone
     if args.breakdown:
         timer.install(getattr(opt, "transport", None))
-    cpu = {}  # thread CPU seconds at the start and the end of the timed span
     for step in range(1, args.steps + 1):
         clock.tick(step)
-        if step == args.skip + 1:
-            cpu["start"] = thread_cpu_seconds()
         timer.begin_step(step)
         with timer.region("forward_backward"):
             loss = backward_on_batch(net, opt, lm, data, args, gen)
@@ -321,7 +326,6 @@ def main(argv=None):
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, world, step))
     elapsed = clock.elapsed()  # steps/s and wall times never include evaluations
-    cpu_cores = cores_used(cpu.get("start"), thread_cpu_seconds(), clock.end - clock.start)
     steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
     steady = ((args.steps - steady_from + 1) / (clock.end - clock.stamps[steady_from]
                                                 - sum(d for t, d in clock.eval_at.items() if t >= steady_from))
@@ -335,7 +339,7 @@ def main(argv=None):
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
            "steady_steps_per_s": steady, "steady_from_step": steady_from,
-           "params": n_params, "val_curve": clock.val_curve, "eval_seconds": clock.eval_s, "cpu_cores": cpu_cores}
+           "params": n_params, "val_curve": clock.val_curve, "eval_seconds": clock.eval_s, "cpu_cores": clock.cores()}
     if args.run == "onebit":
         stats = opt.comm_stats()
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
