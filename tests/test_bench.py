@@ -15,7 +15,7 @@ import pytest
 
 from conftest import BIN, ROOT, run_cmd
 
-from hvd_zoadam.bench.cli import DEFAULT_RUNS, _horovod_env_flags, step_time
+from hvd_zoadam.bench.cli import DEFAULT_RUNS, _horovod_env_flags, _rate_report, step_time
 from hvd_zoadam.bench.lm import cores_used, thread_cpu_seconds
 
 
@@ -57,6 +57,7 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert ratios["zoadam_torchrun_val_curve_equal_to_zoadam"] is True
     assert ratios["zoadam_torchrun_final_loss_minus_zoadam"] == 0.0
     assert ratios["zoadam_torchrun_steps_per_s_vs_zoadam"] == t["steps_per_s"] / z["steps_per_s"]
+    assert ratios["zoadam_torchrun_steps_per_s_vs_compute"] == t["steps_per_s"] / runs["compute"]["steps_per_s"]
     # 1-bit Adam: full precision for 20 % of the 8 steps (two), then a compressed step every step
     o = runs["onebit"]
     assert o["config"]["freeze_step"] == 2 and o["kinds"] == {"variance": 2, "compressed": 6}
@@ -96,6 +97,48 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
             assert sum(parts[k] for k in parts if k not in ("steps", "wall")) == pytest.approx(parts["wall"]), name
     assert runs["compute"]["breakdown"]["step"]["steps"] == 7 and "breakdown" not in runs["diloco-h8"]
     assert z["breakdown"]["sync"]["kernels"] > 0 and z["breakdown"]["local"]["wire"] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")
+def test_bench_network_repeats_the_runs_in_turn_and_reports_medians():
+    rep = bench("network", "--rate", "1gbit", "--steps", "4", "--warmup", "2", "--skip", "1", "--repeat", "2",
+                "--runs", "zoadam,compute", "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                "--block-size", "32", "--batch-size", "4")
+    rate = rep["rates"]["1gbit"]
+    assert rep["repeat"] == 2 and len(rate["repeats"]) == 2
+    each = [r["ratios"]["zoadam_steps_per_s_vs_compute"] for r in rate["repeats"]]
+    for r in rate["repeats"]:  # each repetition's ratio is its own runs' (a fresh work directory each)
+        runs = {x["run"]: x for x in r["runs"]}
+        assert all(x["ok"] for x in runs.values()) and list(runs) == ["zoadam", "compute"]
+        assert r["ratios"]["zoadam_steps_per_s_vs_compute"] == runs["zoadam"]["steps_per_s"] / runs["compute"]["steps_per_s"]
+    assert rate["ratios"]["zoadam_steps_per_s_vs_compute"] == pytest.approx(sum(each) / 2)  # the median of two
+    assert rate["spread"]["zoadam_steps_per_s_vs_compute"]["values"] == each
+    assert rate["runs"] == rate["repeats"][0]["runs"]
+    proc = subprocess.run([sys.executable, "-m", "hvd_zoadam.bench", "network", "--repeat", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--repeat" in proc.stderr
+
+
+def test_repeated_runs_give_each_ratios_median_and_spread_paired_within_a_repetition():
+    def run(name, steps_per_s, wire=1.0):
+        return {"run": name, "label": name, "ok": True, "steps_per_s": steps_per_s, "wire_bytes_sent_per_rank": wire}
+    # the machine drifts between repetitions (compute 2.0, 1.0, 4.0): the ratios pair within each
+    repeats = [[run("zoadam", 1.8), run("compute", 2.0)], [run("zoadam", 0.95), run("compute", 1.0)],
+               [run("zoadam", 3.0), run("compute", 4.0)]]
+    rep = _rate_report(repeats)
+    s = rep["spread"]["zoadam_steps_per_s_vs_compute"]
+    assert s["values"] == [0.9, 0.95, 0.75] and (s["median"], s["min"], s["max"]) == (0.9, 0.75, 0.95)
+    assert rep["ratios"] == {"zoadam_steps_per_s_vs_compute": 0.9}
+    assert rep["spread"]["steps_per_s:compute"]["median"] == 2.0
+    assert rep["spread"]["steps_per_s:zoadam"]["values"] == [1.8, 0.95, 3.0]
+    assert rep["runs"] is repeats[0] and [r["runs"] for r in rep["repeats"]] == repeats
+    # a run that failed in one repetition: no median over fewer values, for its ratios or its steps/s
+    repeats[1][1] = {"run": "compute", "label": "compute", "ok": False, "error": "exit 1", "wire_bytes_sent_per_rank": 0}
+    rep = _rate_report(repeats)
+    assert "zoadam_steps_per_s_vs_compute" not in rep["spread"] and "steps_per_s:compute" not in rep["spread"]
+    assert "zoadam_steps_per_s_vs_compute" not in rep["ratios"]
+    assert _rate_report(repeats[:1]) == {"runs": repeats[0], "ratios": {"zoadam_steps_per_s_vs_compute": 0.9},
+                                         "time_to_quality": {}}
 
 
 def test_thread_cpu_seconds_reads_each_threads_ticks_and_cores_used_splits_the_training_thread(tmp_path):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,6 +199,8 @@ def _ratios(results: list) -> dict:
             out["zoadam_torchrun_final_loss_minus_zoadam"] = t["final_loss"] - z["final_loss"]
             out["zoadam_torchrun_val_curve_equal_to_zoadam"] = \
                 [v for _, _, v in t["val_curve"]] == [v for _, _, v in z["val_curve"]]
+            if "compute" in by:  # no Horovod in either: the ceiling of a torchrun job
+                out["zoadam_torchrun_steps_per_s_vs_compute"] = t["steps_per_s"] / by["compute"]["steps_per_s"]
         if "onebit" in by:  # the paper's own comparison, over the same steps
             o = by["onebit"]
             out["zoadam_wire_bytes_vs_onebit"] = z["wire_bytes_sent_per_rank"] / o["wire_bytes_sent_per_rank"]
@@ -229,34 +232,34 @@ def cmd_network(args) -> dict:
     unknown = [r for r in runs if r not in RUN_LABELS]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(RUN_LABELS)}")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat: {args.repeat} repetitions; give 1 or more")
     report = {"benchmark": "network", "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
+              "repeat": args.repeat,
               "skip": args.skip, "model_args": args.model_args, "sysctl": args.sysctl,
               "horovod_env": _horovod_env(os.environ),
               "note": "bandwidth shaped with HTB on both ends of each link; latency NOT shaped (no netem in this "
                       "kernel; base RTT about 0.05 ms). steps/s are over the steps after the first --skip.",
               "rates": {}}
-    bar = tqdm(total=len(args.rate) * len(runs), desc="bench network", unit="run", file=sys.stderr)
+    bar = tqdm(total=len(args.rate) * len(runs) * args.repeat, desc="bench network", unit="run", file=sys.stderr)
     for rate in args.rate:
-        results = []
+        repeats = []
         sysctls = dict(kv.split("=", 1) for kv in args.sysctl)
         with Network(args.ranks, rate, sysctls=sysctls) as net, tempfile.TemporaryDirectory() as tmp:
-            for run in runs:
-                bar.set_postfix(rate=rate, run=run)
-                res = _network_run(net, run, args, Path(tmp))
-                results.append(res)
-                msg = (f"{rate:>8} {res['label']:<28} " + (
-                    f"{res['steps_per_s']:.3f} steps/s ({res['steady_steps_per_s'] or 0:.3f} after warm-up), "
-                    f"{res['wire_bytes_sent_per_rank'] / 2 ** 20:.1f} MiB/rank on "
-                    f"the wire, loss {res['final_loss']:.3f}" + _cores_text(res.get("cpu_cores"))
-                    if res["ok"] else f"FAILED: {res['error'][-300:]}"))
-                bar.write(msg, file=sys.stderr)
-                for kind, parts in (res.get("breakdown") or {}).items():
-                    bar.write(f"{'':>8}   {kind:<10} {parts['steps']:>4} steps, ms/step: " + ", ".join(
-                        f"{label} {1000 * parts[label]:.1f}" for label in ("wall", *_breakdown_mod.LABELS)),
-                        file=sys.stderr)
-                bar.update()
-        report["rates"][rate] = {"runs": results, "ratios": _ratios(results),
-                                 "time_to_quality": _time_to_quality(results)}
+            for i in range(args.repeat):  # A, B, A, B ...: each repetition's runs side by side in time
+                workdir = Path(tmp) / f"repeat{i}"
+                workdir.mkdir()
+                results = []
+                for run in runs:
+                    bar.set_postfix(rate=rate, run=run, repeat=i + 1)
+                    results.append(_network_run(net, run, args, workdir))
+                    _write_run(bar, rate, results[-1], f"[{i + 1}/{args.repeat}] " if args.repeat > 1 else "")
+                    bar.update()
+                repeats.append(results)
+        report["rates"][rate] = _rate_report(repeats)
+        for key, s in report["rates"][rate].get("spread", {}).items():
+            bar.write(f"{rate:>8} {key}: median {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, "
+                      f"{len(s['values'])} repetitions)", file=sys.stderr)
     bar.close()
     report["targets"] = [
         {"rate": rate, "metric": key, "target": target, "text": text,
@@ -269,6 +272,54 @@ def cmd_network(args) -> dict:
         if any(r["time_to_quality"] for r in report["rates"].values()):
             _quality_png(report, str(Path(args.png).with_suffix("")) + ".quality.png")
     return report
+
+
+def _write_run(bar, rate: str, res: dict, prefix: str) -> None:
+    """One run's line (and its breakdown's, if any) on stderr."""
+    bar.write(f"{rate:>8} {prefix}{res['label']:<28} " + (
+        f"{res['steps_per_s']:.3f} steps/s ({res['steady_steps_per_s'] or 0:.3f} after warm-up), "
+        f"{res['wire_bytes_sent_per_rank'] / 2 ** 20:.1f} MiB/rank on "
+        f"the wire, loss {res['final_loss']:.3f}" + _cores_text(res.get("cpu_cores"))
+        if res["ok"] else f"FAILED: {res['error'][-300:]}"), file=sys.stderr)
+    for kind, parts in (res.get("breakdown") or {}).items():
+        bar.write(f"{'':>8}   {kind:<10} {parts['steps']:>4} steps, ms/step: " + ", ".join(
+            f"{label} {1000 * parts[label]:.1f}" for label in ("wall", *_breakdown_mod.LABELS)), file=sys.stderr)
+
+
+def _spread(values: list) -> dict:
+    """Median, min, max and the values themselves, in repetition order."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def _rate_report(repeats: list) -> dict:
+    """One rate's entry of the report from the results of each repetition (a list of run
+    results per repetition, the runs in the same order in each).
+
+    One repetition: ``runs``, ``ratios`` and ``time_to_quality`` of those runs. Several:
+    the numeric ``ratios`` are the medians over the repetitions of each repetition's own ratios
+    (each paired within its repetition, so a drift of the machine between repetitions cancels;
+    the others, e.g. whether two curves are equal, are kept where every repetition agrees),
+    ``spread`` gives the median, min, max and values of each ratio, of each run's steps/s
+    (``steps_per_s:<run>``) and of its time to quality against Adam's
+    (``ttq_speedup_vs_adam:<run>``), ``repeats`` every repetition's ``runs``, ``ratios`` and
+    ``time_to_quality``; ``runs`` and ``time_to_quality`` are the first repetition's."""
+    each = [{"runs": results, "ratios": _ratios(results), "time_to_quality": _time_to_quality(results)}
+            for results in repeats]
+    if len(each) == 1:
+        return each[0]
+    keys = [k for k, v in each[0]["ratios"].items()
+            if isinstance(v, float) and all(isinstance(r["ratios"].get(k), float) for r in each)]
+    spread = {k: _spread([r["ratios"][k] for r in each]) for k in keys}
+    for run in [r["run"] for r in repeats[0]]:
+        steps = [res["steps_per_s"] for results in repeats for res in results if res["run"] == run and res["ok"]]
+        ttq = [r["time_to_quality"].get("systems", {}).get(run, {}).get("ttq_speedup_vs_adam") for r in each]
+        for key, values in ((f"steps_per_s:{run}", steps), (f"ttq_speedup_vs_adam:{run}", ttq)):
+            if len(values) == len(each) and all(isinstance(v, float) for v in values):
+                spread[key] = _spread(values)
+    others = {k: each[0]["ratios"][k] for k in each[0]["ratios"]
+              if k not in spread and all(r["ratios"].get(k) == each[0]["ratios"][k] for r in each)}
+    return {"runs": each[0]["runs"], "ratios": {**others, **{k: s["median"] for k, s in spread.items() if ":" not in k}},
+            "time_to_quality": each[0]["time_to_quality"], "spread": spread, "repeats": each}
 
 
 def _cores_text(cores: dict | None) -> str:
@@ -724,6 +775,10 @@ def main(argv=None) -> int:
     net.add_argument("--breakdown", action="store_true",
                      help="per step kind, the seconds in forward/backward, the optimizer, the kernels, packing, "
                           "the wire and waiting for the slowest rank (hvd_zoadam.bench.breakdown)")
+    net.add_argument("--repeat", type=int, default=1,
+                     help="run the systems this many times in turn (A, B, A, B ...) and report each ratio's "
+                          "median, min and max over the repetitions (this machine's speed drifts by more "
+                          "than the differences measured)")
     net.add_argument("--json", help="also write the report here")
     net.add_argument("--png", help="bar chart of steps/s per system and rate")
     st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")
