@@ -777,8 +777,8 @@ def main(argv=None) -> int:
                           "the wire and waiting for the slowest rank (hvd_zoadam.bench.breakdown)")
     net.add_argument("--repeat", type=int, default=1,
                      help="run the systems this many times in turn (A, B, A, B ...) and report each ratio's "
-                          "median, min and max over the repetitions (this machine's speed drifts by more "
-                          "than the differences measured)")
+                          "median, min and max over the repetitions (a shared or virtual machine's speed can "
+                          "drift by more than the differences measured)")
     net.add_argument("--json", help="also write the report here")
     net.add_argument("--png", help="bar chart of steps/s per system and rate")
     st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")
