@@ -133,14 +133,14 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
     s = max(chunk_pieces(segment_offsets([96, 16, 48, 3]), big_n // p, p)[1])
     words = lambda nbytes: -(-nbytes // 4) * 4  # noqa: E731 - messages are whole 4-byte words
     per_exchange = (p - 1) * (words(4 * s + 4 + big_n // p // 8) + words(12 + 4 * s + big_n // p // 8))
-    # overlap (the default): from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allreduces a
-    # float32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed, nor
+    # overlap (the default): from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allgathers an
+    # int32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed, nor
     # is the first step after the freeze, a SYNC step that sets the anchor in step())
     flags = stats["variance"]["steps"] - 1
     sync_flags = stats["sync"]["steps"] - 1
-    flag_bytes = 2 * (p - 1) / p * 4
-    assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n + flags)
-               * 2 * (p - 1) / p * 4) <= 1
+    flag_bytes = (p - 1) * 4
+    assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n * 2 * (p - 1) / p * 4
+                                                  + flags * flag_bytes)) <= 1
     assert stats["variance"]["rounds"] == stats["variance"]["steps"] + flags
     assert stats["compressed"]["rounds"] == 3 * stats["compressed"]["steps"]
     assert abs(stats["compressed"]["bytes_sent"] - stats["compressed"]["steps"] * (per_exchange + flag_bytes)) <= 1
@@ -170,7 +170,7 @@ def test_overlap_with_backward_gives_the_same_parameters(job):
             flags = on_k["steps"] - unarmed if p > 1 else 0
             assert on_k["steps"] == off_k["steps"] > 1
             assert on_k["rounds"] == off_k["rounds"] + flags
-            assert on_k["bytes_sent"] == pytest.approx(off_k["bytes_sent"] + flags * 2 * (p - 1) / p * 4, abs=1)
+            assert on_k["bytes_sent"] == pytest.approx(off_k["bytes_sent"] + flags * (p - 1) * 4, abs=1)
 
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
