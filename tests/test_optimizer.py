@@ -456,7 +456,7 @@ def test_fp16_compression_applies_to_variance_steps_and_predivide_is_honoured():
         for a, b, c in zip(base[r][0], fp16[r][0], pre[r][0]):
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)
             torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
-    # each overlapped VARIANCE step also sends one int32 "gradients changed?" flag (4 bytes at P = 2)
+    # each overlapped VARIANCE step also sends one float32 "gradients changed?" flag (4 bytes at P = 2)
     sf, sb = fp16[0][1].comm_stats()["variance"], base[0][1].comm_stats()["variance"]
     flags = sb["rounds"] - sb["steps"]
     assert flags == sf["rounds"] - sf["steps"] > 0

@@ -585,14 +585,11 @@ def pool_error_feedback(worker: torch.Tensor, server: torch.Tensor, contributors
 
 
 def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: int, changed: bool) -> bool:
-    """Whether some rank's gradients changed after the hooks started their exchange: one
-    allgather of a 4-byte flag per rank, on every VARIANCE, COMPRESSED and SYNC step where
-    overlap is armed (a rank-independent condition), so that all ranks agree. An allgather, not
-    an average: it travels with the 1-bit rounds (mpi4py, the Gloo group) instead of waking
-    Horovod's background thread, which on a machine whose cores training fills costs more than
-    the flag (docs/performance.md, "Horovod's background thread and the flag")."""
-    flags = transport.allgather(torch.tensor([1 if changed else 0], dtype=torch.int32), names.grads_changed(step))
-    return bool(flags.any())
+    """Whether some rank's gradients changed after the hooks started their exchange: one 4-byte
+    allreduce, on every VARIANCE, COMPRESSED and SYNC step where overlap is armed (a
+    rank-independent condition), so that all ranks agree."""
+    flag = transport.allreduce_average_(torch.tensor([1.0 if changed else 0.0]), names.grads_changed(step))
+    return float(flag[0]) != 0.0
 
 
 def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> None:

@@ -2,7 +2,6 @@
 runs (Horovod with the MPI or the Gloo controller, or a ``torch.distributed`` process group)."""
 from __future__ import annotations
 
-from hvd_zoadam.comm.gloo import GlooTransport, gloo_unavailable_reason
 from hvd_zoadam.comm.transport import TRANSPORTS, HorovodTransport, MPITransport, Transport, mpi_unavailable_reason
 
 
@@ -10,18 +9,16 @@ def make_transport(transport, process_set=None) -> Transport:
     """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
 
     ``transport``: a :class:`Transport` (returned as it is), or one of :data:`TRANSPORTS`:
-    ``"mpi"`` (:class:`MPITransport`), ``"gloo"`` (:class:`~hvd_zoadam.comm.gloo.GlooTransport`),
-    ``"horovod"`` (:class:`HorovodTransport`),
+    ``"mpi"`` (:class:`MPITransport`), ``"horovod"`` (:class:`HorovodTransport`),
     ``"torch.distributed"`` (:class:`~hvd_zoadam.comm.torch_distributed.TorchDistributedTransport`;
     ``process_set`` is then a ``torch.distributed`` process group or None), ``"auto"``:
     ``"torch.distributed"`` when ``torch.distributed`` is initialised and Horovod is not (or is
     not installed), else ``"mpi"`` where :func:`mpi_unavailable_reason` finds nothing against it,
-    else ``"gloo"`` where :func:`~hvd_zoadam.comm.gloo.gloo_unavailable_reason` finds nothing
-    against it, else ``"horovod"``.
+    else ``"horovod"``.
 
     Raises:
         ValueError: unknown name, or neither Horovod nor torch.distributed initialised, or this
-            rank outside the set, or ``"mpi"`` or ``"gloo"`` where it cannot work (the reason named).
+            rank outside the set, or ``"mpi"`` where it cannot work (the reason named).
     """
     if isinstance(transport, Transport):
         return transport
@@ -48,8 +45,6 @@ def make_transport(transport, process_set=None) -> Transport:
     native.configure_threads(hvd.local_size())
     if transport == "mpi" or (transport == "auto" and mpi_unavailable_reason() is None):
         return MPITransport(process_set)
-    if transport == "gloo" or (transport == "auto" and gloo_unavailable_reason() is None):
-        return GlooTransport(process_set)
     return HorovodTransport(process_set)
 
 

@@ -190,7 +190,7 @@ class StepDriver:
 
     def _redo_if_changed(self, step: int, kind: StepKind) -> bool:
         """Whether some rank's gradients changed after the hooks started their exchange (e.g.
-        clipped without synchronize()), agreed by one allgather of a 4-byte flag on every step where
+        clipped without synchronize()), agreed by one 4-byte allreduce on every step where
         overlap is armed. True: every rank completes the early exchange of every bucket once
         (starting, with its current gradients, the ones its hooks did not start), so the names
         pair up; the results are dropped and the step exchanges the gradients as they are now,

@@ -53,12 +53,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     ``var_update_weighting`` (``"interval"``, the default: an update of v at t in T_v weighs as
     the steps since the previous one, so that v weighs time as Adam's does; ``"paper"``: as one
     step, the paper's and DeepSpeed's rule), ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
-    1-bit phases over mpi4py on Horovod's MPI world; ``"gloo"``: the 1-bit phases over a Gloo
-    group of hvd_zoadam's own under Horovod's Gloo controller; each of those two a ``ValueError``
-    naming the reason where it cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI
-    controller with ``MPI_THREAD_MULTIPLE`` and mpi4py works, ``"gloo"`` when it runs the Gloo
-    controller outside an elastic job, else ``"horovod"``; ``comm_stats()["transport"]`` says
-    which), ``bucket_cap_mb``
+    1-bit phases over mpi4py on Horovod's MPI world, a ``ValueError`` naming the reason where
+    that cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI controller with
+    ``MPI_THREAD_MULTIPLE`` and mpi4py works, else ``"horovod"``; ``comm_stats()["transport"]``
+    says which), ``bucket_cap_mb``
     (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
     each tensor is cut into blocks of at most this many elements, each with its own scale;
     ``None`` for one scale per tensor; a multiple of 8 or None), ``exp_avg_mask``
