@@ -81,9 +81,11 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     h = runs["compute-horovod"]  # the same with Horovod started: its ceiling, taken the same way
     assert len(h["steps_per_s_by_rank"]) == 2 and h["steps_per_s"] == min(h["steps_per_s_by_rank"])
     assert "rounds" not in h and ratios["zoadam_steps_per_s_vs_compute-horovod"] == z["steps_per_s"] / h["steps_per_s"]
-    for name, r in runs.items():  # the cores rank 0's threads used over the timed span
-        if not name.startswith("diloco"):
-            assert r["cpu_cores"]["training_thread"] > 0 and r["cpu_cores"]["other_threads"] >= 0, name  # in clock ticks: no upper bound over a short span
+    # the cores rank 0's threads used over the timed span, in clock ticks: over a span this short
+    # one run may see no tick of its training thread (a busy machine), all of them together do
+    cores = {name: r["cpu_cores"] for name, r in runs.items() if not name.startswith("diloco")}
+    assert all(c["training_thread"] >= 0 and c["other_threads"] >= 0 for c in cores.values()), cores
+    assert sum(c["training_thread"] for c in cores.values()) > 0, cores
     assert "latency NOT shaped" in rep["note"] and png.stat().st_size > 0
     assert rep["horovod_env"] == {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
