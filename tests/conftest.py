@@ -67,13 +67,16 @@ def load_ranks(out_dir: Path, np_: int) -> list[dict]:
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(np_)]
 
 
-def run_threads(world_size: int, fn, timeout_s: float = 60.0, ranks_per_node: int | None = None) -> list:
+def run_threads(world_size: int, fn, timeout_s: float = 60.0, ranks_per_node: int | None = None,
+                ordered: bool = False) -> list:
     """Run ``fn(rank, transport)`` on ``world_size`` thread-ranks; return their results in rank order.
     ``ranks_per_node``: the simulated nodes of the two-level exchange (default: one node).
+    ``ordered``: collectives pair by their order, as under MPI and torch.distributed, and a
+    mismatch raises :class:`~hvd_zoadam.comm.transport.CollectiveOrderError`.
 
     An exception on any rank is re-raised here (the others are released by the barrier timeout).
     """
-    group = ThreadGroup(world_size, timeout_s=timeout_s, ranks_per_node=ranks_per_node)
+    group = ThreadGroup(world_size, timeout_s=timeout_s, ranks_per_node=ranks_per_node, ordered=ordered)
     results, errors = [None] * world_size, [None] * world_size
 
     def body(rank, transport):

@@ -516,34 +516,54 @@ def test_two_optimizers_over_one_model():
         model(torch.ones(2, 4)).sum().backward()
 
 
-def test_a_gradient_missing_on_one_rank_counts_as_zero():
-    """algorithm.md §5: a parameter with no gradient on some rank takes part as zeros, in lockstep."""
+@pytest.mark.parametrize("ordered", [False, True], ids=["by-name", "by-order"])
+def test_a_gradient_missing_on_one_rank_counts_as_zero(ordered):
+    """algorithm.md §5: a parameter with no gradient on some rank takes part as zeros, in lockstep;
+    its hook never fires there, so that rank's hooks start fewer exchanges than the other's.
+    Collectives paired by name (Horovod) or by order (MPI, torch.distributed) pair up alike."""
     def grads(step, rank, xs):
         full = common.grads_at(step, rank, xs)
         if rank == 1:
             full[2] = torch.zeros_like(full[2])  # the second layer's weight gets no gradient on rank 1
         return full
 
-    def body(rank, transport):
-        model = common.mlp()
-        opt = make(model, transport)
-        for t in range(1, 15):
-            opt.zero_grad()
-            if rank == 1:  # the second layer's weight takes no part in rank 1's graph: no gradient, no hook
-                x, y = common.batch(t, rank)
-                out = torch.nn.functional.linear(model[1](model[0](x)), model[2].weight.detach(), model[2].bias)
-                torch.nn.functional.mse_loss(out, y).backward()
-                assert model[2].weight.grad is None
-            else:
-                common.loss_fn(model, t, rank).backward()
-            opt.step()
-        return [q.detach().clone() for q in model.parameters()]
-    got = run_threads(2, body)
+    got = run_threads(2, lambda rank, transport: _train_without_a_gradient_on(1, rank, transport), ordered=ordered)
     params0 = [q.detach().clone() for q in common.mlp().parameters()]
     want, _ = simulate_zoadam(params0, grads, world_size=2, steps=14, schedule=Schedule(**KNOBS),
                               lr_fn=lambda t: common.LR)
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
+
+
+def _train_without_a_gradient_on(last: int, rank, transport, **kw) -> list:
+    """14 steps of the MLP where the second layer's weight takes no part in rank ``last``'s
+    graph (no gradient, no hook there). Returns the parameters."""
+    model = common.mlp()
+    opt = make(model, transport, **kw)
+    for t in range(1, 15):
+        opt.zero_grad()
+        if rank == last:
+            x, y = common.batch(t, rank)
+            out = torch.nn.functional.linear(model[1](model[0](x)), model[2].weight.detach(), model[2].bias)
+            torch.nn.functional.mse_loss(out, y).backward()
+            assert model[2].weight.grad is None
+        else:
+            common.loss_fn(model, t, rank).backward()
+        opt.step()
+    return [q.detach().clone() for q in model.parameters()]
+
+
+def test_a_gradient_missing_on_one_rank_with_several_buckets_pairs_by_order():
+    """Several buckets, 3 ranks whose collectives pair by order: the last rank's hooks stop at
+    the bucket of its missing gradient, and synchronize() starts the rest before the flag;
+    the parameters equal overlap=False's on every rank, bit for bit."""
+    few = 40 * 4 / 2 ** 20  # 40 floats: one bucket per tensor or two
+    on, off = (run_threads(3, lambda rank, transport: _train_without_a_gradient_on(2, rank, transport,
+                                                                                   bucket_cap_mb=few, overlap=overlap),
+                           ordered=True) for overlap in (True, False))
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(on[r], off[r]))
+        assert all(torch.equal(a, b) for a, b in zip(on[r], on[0]))
 
 
 def test_step_log_writes_one_json_line_per_step(tmp_path):

@@ -21,7 +21,8 @@ from conftest import load_ranks, run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 
-from test_multiprocess import (test_all_variance_steps_equal_horovod_adam,  # noqa: E402,F401
+from test_multiprocess import (test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep,  # noqa: E402,F401
+                               test_all_variance_steps_equal_horovod_adam,
                                test_comm_stats_count_bytes_by_the_documented_formulas,
                                test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
                                test_compressed_allreduce_matches_simulation_bitwise,

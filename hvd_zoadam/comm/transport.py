@@ -39,6 +39,11 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete in time: a peer is dead, stalled, or issued other collectives."""
 
 
+class CollectiveOrderError(RuntimeError):
+    """Ranks started different collectives at the same position of an ordered transport (the
+    thread ranks' ``ordered`` mode, which checks what MPI and torch.distributed cannot)."""
+
+
 def default_timeout_s() -> float:
     """Seconds a collective may take before :class:`CollectiveTimeoutError`: the environment
     variable ``HVD_ZOADAM_TIMEOUT_S``, else 600."""
@@ -597,18 +602,23 @@ _mpi_split_comms = {}  # (process set ranks, HVD_ZOADAM_RANKS_PER_NODE) -> (node
 class ThreadGroup:
     """Shared state of P :class:`ThreadTransport` ranks living in one process."""
 
-    def __init__(self, world_size: int, timeout_s: float = 60.0, ranks_per_node: int | None = None):
+    def __init__(self, world_size: int, timeout_s: float = 60.0, ranks_per_node: int | None = None,
+                 ordered: bool = False):
         """``ranks_per_node``: the simulated topology for :meth:`ThreadTransport.node_split`
-        (nodes are blocks of that many consecutive ranks; default: one node)."""
+        (nodes are blocks of that many consecutive ranks; default: one node). ``ordered``:
+        match nonblocking collectives by their order, as MPI and torch.distributed do, and
+        raise :class:`CollectiveOrderError` when the k-th collectives of two ranks differ."""
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.ordered = ordered
         self.ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
         self._subgroups = {}  # ("node", i) / ("cross", local rank) -> ThreadGroup
         self._lock = threading.Lock()
         self.barrier = threading.Barrier(world_size, timeout=timeout_s)
         self.slots = [None] * world_size
         # Nonblocking collectives, matched by name like Horovod's: the k-th start of a name on
-        # each rank pairs with the k-th start of that name on every other rank.
+        # each rank pairs with the k-th start of that name on every other rank (ordered: the
+        # k-th start of any name, whose op, name and size must then agree).
         self.cond = threading.Condition()
         self.pending = {}   # (name, k) -> {"values": [per rank], "left": ranks yet to wait}
         self.started = {}   # (name, rank) -> starts so far
@@ -627,7 +637,7 @@ class ThreadGroup:
         """The shared sub-group ``key`` of ``size`` ranks (made by the first rank to ask)."""
         with self._lock:
             if key not in self._subgroups:
-                self._subgroups[key] = ThreadGroup(size, self.timeout_s)
+                self._subgroups[key] = ThreadGroup(size, self.timeout_s, ordered=self.ordered)
             return self._subgroups[key]
 
     def transports(self) -> list["ThreadTransport"]:
@@ -656,13 +666,16 @@ class ThreadTransport(Transport):
 
     def _start(self, op, tensor, name):
         g = self.group
+        key = None if g.ordered else name
         with g.cond:
-            k = g.started.get((name, self.rank), 0)
-            g.started[(name, self.rank)] = k + 1
-            entry = g.pending.setdefault((name, k), {"values": [None] * self.world_size, "left": self.world_size})
+            k = g.started.get((key, self.rank), 0)
+            g.started[(key, self.rank)] = k + 1
+            entry = g.pending.setdefault((key, k), {"values": [None] * self.world_size, "left": self.world_size,
+                                                    "what": [None] * self.world_size})
             entry["values"][self.rank] = tensor.clone()
+            entry["what"][self.rank] = (op, name, tensor.numel())
             g.cond.notify_all()
-        return ThreadHandle(op, (name, k), tensor)
+        return ThreadHandle(op, (key, k), tensor)
 
     def wait(self, handle):
         if isinstance(handle, Done):
@@ -676,10 +689,14 @@ class ThreadTransport(Transport):
                                              f"{g.timeout_s:g} s on thread-rank {self.rank}")
             if g.aborted:
                 raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{key[0]}' was aborted (another rank failed)")
-            parts = entry["values"]
+            parts, what = entry["values"], entry["what"]
             entry["left"] -= 1
             if entry["left"] == 0:
                 del g.pending[key]
+        if any(w != what[self.rank] for w in what):
+            q = next(r for r, w in enumerate(what) if w != what[self.rank])
+            raise CollectiveOrderError(f"hvd_zoadam: collective number {key[1]} is {what[self.rank]} on thread-rank "
+                                       f"{self.rank} but {what[q]} on thread-rank {q} (op, name, elements)")
         if op == "allgather":
             return torch.cat(parts)
         if op == "alltoall":

@@ -78,16 +78,14 @@ class StepDriver:
         check_layout(self.transport, items)
 
     def _launch(self, window, bi: int) -> None:
-        """Start bucket ``bi``'s exchange for the coming step from the hooks (see :mod:`.overlap`)."""
+        """Start bucket ``bi``'s exchange for the coming step: from the hooks, or from ``synchronize()``
+        for the buckets the hooks did not start (see :mod:`.overlap`)."""
         b = self._buckets[bi]
         self.transport.counter.kind = window.kind.value
         if self.sparse_as_dense:  # densified here, so that what the exchange reads is what p.grad holds
             for p in b.params:
                 if p.grad is not None and p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
-        # What the exchange read: checked in synchronize(), so that a gradient changed after
-        # backward() (e.g. clipped without synchronize()) is not silently left out.
-        window.seen[bi] = [(p.grad, p.grad._version if p.grad is not None else None) for p in b.params]
         if window.kind is StepKind.VARIANCE:
             window.averages[bi] = self._average.start(bi, b, self._engine.inv_grad_scale, copy=True)
         elif window.kind is StepKind.COMPRESSED:
@@ -98,6 +96,10 @@ class StepDriver:
             handle = self._start_sync(bi, window.step)
             if handle is not None:
                 window.scales[bi] = handle
+        # What the exchange read (after the start, which gives a missing gradient its zeros):
+        # checked in synchronize(), so that a gradient changed after backward() (e.g. clipped
+        # without synchronize()) is not silently left out.
+        window.seen[bi] = [(p.grad, p.grad._version if p.grad is not None else None) for p in b.params]
 
     def _start_compressed(self, bi: int, step: int, pre: dict):
         """Fill bucket ``bi``'s exchange input for a COMPRESSED step (``pre`` caches the
@@ -144,6 +146,7 @@ class StepDriver:
         self._drain(self._overlap.stale(step, kind))  # the schedule moved under us (a load between backward and step)
         if armed:
             self.transport.counter.kind = kind.value
+            self._overlap.complete(step, kind, len(self._buckets), self._launch)
             self._redo_if_changed(step, kind)
         window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
         if kind is StepKind.SYNC and window is not None:  # completed by the step function's exchange
@@ -191,31 +194,14 @@ class StepDriver:
     def _redo_if_changed(self, step: int, kind: StepKind) -> bool:
         """Whether some rank's gradients changed after the hooks started their exchange (e.g.
         clipped without synchronize()), agreed by one 4-byte allreduce on every step where
-        overlap is armed. True: every rank completes the early exchange of every bucket once
-        (starting, with its current gradients, the ones its hooks did not start), so the names
-        pair up; the results are dropped and the step exchanges the gradients as they are now,
-        like overlap=False (a COMPRESSED step's early worker side only staged its error:
+        overlap is armed, after every rank has started every bucket's early exchange
+        (:meth:`.Overlap.complete`), so the collectives pair up. True: the early exchanges are
+        completed and their results dropped, and the step exchanges the gradients as they are
+        now, like overlap=False (a COMPRESSED step's early worker side only staged its error:
         ``worker_error`` is untouched until round 2)."""
         if not grads_changed_anywhere(self.transport, self._collectives, step, self._grads_changed_here()):
             return False
-        window = self._overlap.window
-        averages = window.averages if window else {}
-        scales = window.scales if window else {}
-        pre = window.pre if window else {}
-        for bi in Overlap.launch_order(len(self._buckets)):
-            if kind is StepKind.VARIANCE:
-                started = averages.pop(bi, None)
-                if started is None:
-                    started = self._average.start(bi, self._buckets[bi], self._engine.inv_grad_scale, copy=True)
-                for handle, _, _ in started:
-                    self.transport.wait(handle)
-            else:
-                handle = scales.pop(bi, None)
-                if handle is None:
-                    handle = (self._start_compressed(bi, step, pre) if kind is StepKind.COMPRESSED
-                              else self._start_sync(bi, step))
-                if handle is not None:
-                    self.transport.wait(handle)
+        self._drain(self._overlap.window)
         self._overlap.window = None
         if not self._warned_changed:
             self._warned_changed = True

@@ -97,6 +97,24 @@ class Overlap:
             launch(self.window, bi)
             self.position += 1
 
+    def complete(self, step: int, kind: StepKind, nbuckets: int, launch) -> None:
+        """Launch, in launch order, every bucket the hooks have not launched for the coming
+        step (``step``, ``kind``), through ``launch(window, index)``; ``synchronize()`` calls it
+        before the "gradients changed?" flag. A parameter with no gradient on this rank (or no
+        hook at all) leaves its bucket and every later one unlaunched here while other ranks
+        launched them: afterwards every rank has started the same collectives in the same order,
+        as transports that match collectives by their order (MPI, torch.distributed) need.
+        Nothing in the CLOSED phase: the window was taken, so nothing started since."""
+        if self.phase is Phase.CLOSED:
+            return
+        if self.window is None or self.window.step != step or self.window.kind is not kind:
+            self.window, self.position = Window(step, kind), 0  # :meth:`stale` drained any other
+        self.phase = Phase.OPEN
+        order = self.launch_order(nbuckets)
+        while self.position < len(order):
+            launch(self.window, order[self.position])
+            self.position += 1
+
     def take(self, step: int, kind: StepKind) -> Window | None:
         """Close: hand over the window that matches the coming step (``synchronize()``), or
         None. A window for another step or kind (the schedule moved, e.g. a load between

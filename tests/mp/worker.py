@@ -55,14 +55,14 @@ def scenario_car(out):
     out["car"] = res
 
 
-def train(make_opt, steps, record_sync=False):
+def train(make_opt, steps, record_sync=False, loss_fn=common.loss_fn):
     model = common.mlp()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = make_opt(model)
     per_step = []
     for t in range(1, steps + 1):
         opt.zero_grad()
-        common.loss_fn(model, t, hvd.rank()).backward()
+        loss_fn(model, t, hvd.rank()).backward()
         kind = opt._next_kind()[1].value if isinstance(opt, hvd_zoadam.DistributedAdamOptimizer) else "adam"
         opt.step()
         if kind in ("sync", "variance", "compressed", "adam"):
@@ -111,11 +111,35 @@ def scenario_overlap(out):
     out["overlap"] = res
 
 
+def loss_without_a_gradient_on_the_last_rank(model, step, rank):
+    """common.loss_fn, except that on the last rank the second layer's weight takes no part in
+    the graph: it gets no gradient there and its hook never fires."""
+    if rank < hvd.size() - 1:
+        return common.loss_fn(model, step, rank)
+    x, y = common.batch(step, rank)
+    out = torch.nn.functional.linear(model[1](model[0](x)), model[2].weight.detach(), model[2].bias)
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def scenario_missing_grad(out):
+    """A parameter with no gradient on one rank, several buckets, overlap on and off: the hooks
+    of that rank start fewer exchanges than the others'; the same parameters bit for bit."""
+    res = {}
+    for overlap in (True, False):
+        model, opt, _ = train(lambda m: FRONT_END(
+            torch.optim.AdamW(m.parameters(), lr=common.LR, weight_decay=0.01), named_parameters=m.named_parameters(),
+            transport=TRANSPORT, bucket_cap_mb=40 * 4 / 2 ** 20, overlap=overlap, **common.TRAIN), common.TRAIN_STEPS,
+            loss_fn=loss_without_a_gradient_on_the_last_rank)
+        res[overlap] = {"params": [p.detach().clone() for p in model.parameters()], "buckets": len(opt._buckets),
+                        "stats": opt.comm_stats()}
+    out["missing_grad"] = res
+
+
 def main():
     hvd.init()
     out = {"rank": hvd.rank(), "size": hvd.size(), "mpi_enabled": hvd.mpi_enabled()}
     out["horovod_imported"] = "horovod" in sys.modules
-    for scenario in (scenario_car, scenario_adam_oracle, scenario_train, scenario_overlap):
+    for scenario in (scenario_car, scenario_adam_oracle, scenario_train, scenario_overlap, scenario_missing_grad):
         scenario(out)
     out["horovod_imported_after"] = "horovod" in sys.modules
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
