@@ -212,6 +212,8 @@ def parse_args(argv=None):
                     help="fused bucket size (hvd_zoadam's bucket_cap_mb); 0 = one bucket per tensor")
     ap.add_argument("--scale-block-numel", type=int, default=256,
                     help="elements per 1-bit scale (hvd_zoadam's scale_block_numel)")
+    ap.add_argument("--transport", default="auto", choices=["auto", "horovod", "mpi", "gloo", "torch.distributed"],
+                    help="what moves hvd_zoadam's rounds (its transport argument)")
     return ap.parse_args(argv)
 
 
@@ -248,7 +250,8 @@ def main(argv=None):
             var_freeze_step=args.var_freeze_step or 2 * args.warmup, var_update_scaler=args.var_update_scaler,
             local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
             local_step_policy=args.local_step_policy, var_update_weighting=args.var_update_weighting,
-            scale_block_numel=args.scale_block_numel, bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9)
+            scale_block_numel=args.scale_block_numel, bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9,
+            transport=args.transport)
     else:
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))

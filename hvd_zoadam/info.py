@@ -75,8 +75,8 @@ def _transport_choice(horovod: dict) -> str:
     if not horovod.get("installed"):
         return "none: Horovod is not installed"
     return ("mpi (mpi4py) when Horovod runs the MPI controller with MPI_THREAD_MULTIPLE and mpi4py imports "
-            "(mpirun, horovodrun --mpi, srun); otherwise horovod (Horovod's alltoall/allgather, e.g. under "
-            "horovodrun --gloo)")
+            "(mpirun, horovodrun --mpi, srun); gloo (a Gloo group of hvd_zoadam's beside Horovod's) under "
+            "horovodrun --gloo outside elastic jobs, for CPU tensors; otherwise horovod (Horovod's alltoall/allgather)")
 
 
 def _kernels(numba_info: dict, torch_info: dict) -> str:

@@ -93,7 +93,7 @@ def test_train_lm_under_torchrun_equals_the_horovodrun_run(tmp_path):
                 timeout_s=180)
         runs[launcher] = json.loads(out.read_text())
     h, t = runs["gloo"], runs["torchrun"]
-    assert t["comm_stats"]["transport"] == "torch.distributed (gloo)" and h["comm_stats"]["transport"] == "horovod"
+    assert t["comm_stats"]["transport"] == "torch.distributed (gloo)" and h["comm_stats"]["transport"].startswith("gloo")
     assert t["final_val_loss"] == h["final_val_loss"] and t["val_curve"] == h["val_curve"]
     assert t["comm_stats"]["bytes_sent_total"] == h["comm_stats"]["bytes_sent_total"]
     assert t["kinds"] == h["kinds"]

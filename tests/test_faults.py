@@ -335,7 +335,7 @@ def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
         return opt.schedule_state()["step"]
 
     start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match=r"the allreduce 'zoadam\.[0-9a-f]+\.grads_changed\.8' did "
+    with pytest.raises(CollectiveTimeoutError, match=r"the allgather 'zoadam\.[0-9a-f]+\.grads_changed\.8' did "
                                                      r"not complete within 5 s"):
         run_threads(2, body, timeout_s=5)
     assert time.monotonic() - start < 15

@@ -18,9 +18,9 @@ from hvd_zoadam.core.layout import segment_offsets  # noqa: E402
 from hvd_zoadam.comm.protocol import chunk_pieces  # noqa: E402
 
 # (launcher, ranks, transport argument, the transport it must resolve to). Under MPI both
-# transports run at P = 2, 3, 4; each must equal the in-process simulation bit for bit, so
-# they equal each other.
-JOBS = [("gloo", 2, "auto", "horovod"), ("gloo", 3, "auto", "horovod"),
+# transports run at P = 2, 3, 4, under Gloo both at P = 2; each must equal the in-process
+# simulation bit for bit, so they equal each other.
+JOBS = [("gloo", 2, "auto", "gloo"), ("gloo", 3, "auto", "gloo"), ("gloo", 2, "horovod", "horovod"),
         ("mpi", 2, "mpi", "mpi"), ("mpi", 3, "mpi", "mpi"), ("mpi", 4, "auto", "mpi"),
         ("mpi", 2, "horovod", "horovod"), ("mpi", 3, "horovod", "horovod"), ("mpi", 4, "horovod", "horovod"),
         ("hvdmpi", 2, "auto", "mpi"), ("single", 1, "auto", None)]  # one process: either, nothing is sent
@@ -133,14 +133,14 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
     s = max(chunk_pieces(segment_offsets([96, 16, 48, 3]), big_n // p, p)[1])
     words = lambda nbytes: -(-nbytes // 4) * 4  # noqa: E731 - messages are whole 4-byte words
     per_exchange = (p - 1) * (words(4 * s + 4 + big_n // p // 8) + words(12 + 4 * s + big_n // p // 8))
-    # overlap (the default): from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allreduces a
-    # float32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed, nor
+    # overlap (the default): from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allgathers an
+    # int32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed, nor
     # is the first step after the freeze, a SYNC step that sets the anchor in step())
     flags = stats["variance"]["steps"] - 1
     sync_flags = stats["sync"]["steps"] - 1
-    flag_bytes = 2 * (p - 1) / p * 4
-    assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n + flags)
-               * 2 * (p - 1) / p * 4) <= 1
+    flag_bytes = (p - 1) * 4
+    assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n * 2 * (p - 1) / p * 4
+                                                  + flags * flag_bytes)) <= 1
     assert stats["variance"]["rounds"] == stats["variance"]["steps"] + flags
     assert stats["compressed"]["rounds"] == 3 * stats["compressed"]["steps"]
     assert abs(stats["compressed"]["bytes_sent"] - stats["compressed"]["steps"] * (per_exchange + flag_bytes)) <= 1
@@ -170,7 +170,7 @@ def test_overlap_with_backward_gives_the_same_parameters(job):
             flags = on_k["steps"] - unarmed if p > 1 else 0
             assert on_k["steps"] == off_k["steps"] > 1
             assert on_k["rounds"] == off_k["rounds"] + flags
-            assert on_k["bytes_sent"] == pytest.approx(off_k["bytes_sent"] + flags * 2 * (p - 1) / p * 4, abs=1)
+            assert on_k["bytes_sent"] == pytest.approx(off_k["bytes_sent"] + flags * (p - 1) * 4, abs=1)
 
 
 def test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep(job):
@@ -215,15 +215,18 @@ def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_pat
 def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
     """hvd.broadcast_optimizer_state with frozen parameters, before the first step, twice, and over corrupted
     non-tensor options and counters; settings that differ across ranks raise on every rank; an explicit
-    transport='mpi' never falls back silently."""
+    transport='mpi' or 'gloo' never falls back silently."""
     run_job(launcher, 2, ["tests/mp/worker_bcast.py", str(tmp_path)], timeout_s=120)
     r0, r1 = load_ranks(tmp_path, 2)
-    for r in (r0, r1):  # an explicit transport='mpi' never falls back silently
+    for r in (r0, r1):  # an explicit transport='mpi' or 'gloo' never falls back silently
         if launcher == "gloo":
             assert "transport='mpi' cannot work here" in r["explicit_mpi"]["error"]
             assert "MPI controller" in r["explicit_mpi"]["error"]
+            assert r["explicit_gloo"]["ok"].startswith("gloo (a Gloo group")
         else:
             assert r["explicit_mpi"]["ok"].startswith("mpi (mpi4py")
+            assert "transport='gloo' cannot work here" in r["explicit_gloo"]["error"]
+            assert "Gloo controller" in r["explicit_gloo"]["error"] and "transport='mpi'" in r["explicit_gloo"]["error"]
     same_state = lambda a, b: all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])  # noqa: E731
     # frozen layer untouched and without state; broadcasting twice = once; state equal after each
     f0, f1 = r0["frozen"], r1["frozen"]

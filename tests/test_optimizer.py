@@ -456,7 +456,7 @@ def test_fp16_compression_applies_to_variance_steps_and_predivide_is_honoured():
         for a, b, c in zip(base[r][0], fp16[r][0], pre[r][0]):
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)
             torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
-    # each overlapped VARIANCE step also sends one float32 "gradients changed?" flag (4 bytes at P = 2)
+    # each overlapped VARIANCE step also sends one int32 "gradients changed?" flag (4 bytes at P = 2)
     sf, sb = fp16[0][1].comm_stats()["variance"], base[0][1].comm_stats()["variance"]
     flags = sb["rounds"] - sb["steps"]
     assert flags == sf["rounds"] - sf["steps"] > 0
@@ -471,6 +471,21 @@ def test_layout_mismatch_raises_on_every_rank_naming_both_values():
         opt = make(model, transport, var_freeze_step=3 if rank == 0 else 5)
         common.loss_fn(model, 1, rank).backward()
         with pytest.raises(ValueError, match=r"schedule.var_freeze_step: this rank \(\d\) has [35], rank \d has [35]"):
+            opt.step()
+        return True
+    assert run_threads(2, body) == [True, True]
+
+
+def test_ranks_on_different_transports_fail_naming_both():
+    """Ranks whose rounds would go over different transports (e.g. "auto" resolved on hosts that
+    differ) fail at the first step on every rank, naming both, instead of hanging."""
+    def body(rank, transport):
+        if rank == 1:
+            transport.name = "gloo"  # this rank's rounds would go elsewhere
+        model = common.mlp()
+        opt = make(model, transport)
+        common.loss_fn(model, 1, rank).backward()
+        with pytest.raises(ValueError, match=r"transport: this rank \(\d\) has '?(thread|gloo)'?, rank \d has"):
             opt.step()
         return True
     assert run_threads(2, body) == [True, True]

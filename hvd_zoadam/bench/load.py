@@ -50,13 +50,13 @@ def formula_bytes(numels, world_size: int, *, bucket_cap_mb: float, scale_block_
     optimizer's buckets (``make_buckets`` at the cap, one dtype, one param group): VARIANCE,
     each bucket's fp32 allreduce, 2(P−1)/P·4·n_b; COMPRESSED and SYNC, each bucket's
     :func:`~hvd_zoadam.comm.protocol.exchange_bytes` (the scale slots' padding included);
-    LOCAL, nothing; with ``overlap``, VARIANCE, COMPRESSED and SYNC steps add the 4-byte allreduce
-    of :func:`~hvd_zoadam.comm.protocol.grads_changed_anywhere`, 2(P−1)/P·4 (not the first step
-    after the freeze, which starts nothing early)."""
+    LOCAL, nothing; with ``overlap``, VARIANCE, COMPRESSED and SYNC steps add the allgather of
+    a 4-byte flag of :func:`~hvd_zoadam.comm.protocol.grads_changed_anywhere`, (P−1)·4 (not the
+    first step after the freeze, which starts nothing early)."""
     cap = max(1, int(bucket_cap_mb * 2 ** 20 / 4))
     buckets = [[numels[i] for i in idx] for idx in make_buckets(numels, cap)]
     p = world_size
-    flag = 2 * (p - 1) / p * 4 if overlap else 0
+    flag = (p - 1) * 4 if overlap else 0
     onebit = sum(exchange_bytes(scale_segments(b, scale_block_numel), p) for b in buckets)
     return {StepKind.VARIANCE: sum(2 * (p - 1) / p * 4 * sum(b) for b in buckets) + flag,
             StepKind.COMPRESSED: onebit + flag, StepKind.LOCAL: 0, StepKind.SYNC: onebit + flag,

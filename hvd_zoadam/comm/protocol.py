@@ -585,11 +585,14 @@ def pool_error_feedback(worker: torch.Tensor, server: torch.Tensor, contributors
 
 
 def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: int, changed: bool) -> bool:
-    """Whether some rank's gradients changed after the hooks started their exchange: one 4-byte
-    allreduce, on every VARIANCE, COMPRESSED and SYNC step where overlap is armed (a
-    rank-independent condition), so that all ranks agree."""
-    flag = transport.allreduce_average_(torch.tensor([1.0 if changed else 0.0]), names.grads_changed(step))
-    return float(flag[0]) != 0.0
+    """Whether some rank's gradients changed after the hooks started their exchange: one
+    allgather of a 4-byte flag per rank, on every VARIANCE, COMPRESSED and SYNC step where
+    overlap is armed (a rank-independent condition), so that all ranks agree. An allgather, not
+    an average: it travels with the 1-bit rounds (mpi4py, the Gloo group) instead of waking
+    Horovod's background thread, which on a machine whose cores training fills costs more than
+    the flag (docs/performance.md, "Horovod's background thread and the flag")."""
+    flags = transport.allgather(torch.tensor([1 if changed else 0], dtype=torch.int32), names.grads_changed(step))
+    return bool(flags.any())
 
 
 def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> None:
@@ -636,7 +639,7 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
         NonFiniteError: a NaN/Inf reached the exchange on some rank; raised on every
             rank together, with both error buffers untouched.
     """
-    t = make_transport(transport, process_set)
+    t = make_transport(transport, process_set, getattr(tensor, "device", None))
     n, p = tensor.numel(), t.world_size
     want_w, want_s = padded_numel(n, p), padded_numel(n, p) // p
     for buf, want, label in ((worker_error, want_w, "worker_error"), (server_error, want_s, "server_error")):

@@ -2,23 +2,29 @@
 runs (Horovod with the MPI or the Gloo controller, or a ``torch.distributed`` process group)."""
 from __future__ import annotations
 
+import torch
+
+from hvd_zoadam.comm.gloo import GlooTransport, gloo_unavailable_reason
 from hvd_zoadam.comm.transport import TRANSPORTS, HorovodTransport, MPITransport, Transport, mpi_unavailable_reason
 
 
-def make_transport(transport, process_set=None) -> Transport:
+def make_transport(transport, process_set=None, device=None) -> Transport:
     """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
 
     ``transport``: a :class:`Transport` (returned as it is), or one of :data:`TRANSPORTS`:
-    ``"mpi"`` (:class:`MPITransport`), ``"horovod"`` (:class:`HorovodTransport`),
+    ``"mpi"`` (:class:`MPITransport`), ``"gloo"`` (:class:`~hvd_zoadam.comm.gloo.GlooTransport`),
+    ``"horovod"`` (:class:`HorovodTransport`),
     ``"torch.distributed"`` (:class:`~hvd_zoadam.comm.torch_distributed.TorchDistributedTransport`;
     ``process_set`` is then a ``torch.distributed`` process group or None), ``"auto"``:
     ``"torch.distributed"`` when ``torch.distributed`` is initialised and Horovod is not (or is
     not installed), else ``"mpi"`` where :func:`mpi_unavailable_reason` finds nothing against it,
-    else ``"horovod"``.
+    else ``"gloo"`` for tensors on the CPU (``device``; None counts as the CPU) where
+    :func:`~hvd_zoadam.comm.gloo.gloo_unavailable_reason` finds nothing against it, else
+    ``"horovod"`` (whose GPU collectives need no trip through host memory).
 
     Raises:
         ValueError: unknown name, or neither Horovod nor torch.distributed initialised, or this
-            rank outside the set, or ``"mpi"`` where it cannot work (the reason named).
+            rank outside the set, or ``"mpi"`` or ``"gloo"`` where it cannot work (the reason named).
     """
     if isinstance(transport, Transport):
         return transport
@@ -45,6 +51,9 @@ def make_transport(transport, process_set=None) -> Transport:
     native.configure_threads(hvd.local_size())
     if transport == "mpi" or (transport == "auto" and mpi_unavailable_reason() is None):
         return MPITransport(process_set)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if transport == "gloo" or (transport == "auto" and on_cpu and gloo_unavailable_reason() is None):
+        return GlooTransport(process_set)
     return HorovodTransport(process_set)
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-TRANSPORTS = ("auto", "horovod", "mpi", "torch.distributed")  # the names the ``transport`` argument accepts
+TRANSPORTS = ("auto", "horovod", "mpi", "gloo", "torch.distributed")  # the names the ``transport`` argument accepts
 DEFAULT_TIMEOUT_S = 600.0
 
 

@@ -73,6 +73,7 @@ class StepDriver:
         items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
                      scale_block_numel=self.scale_block_numel, auto_exp_avg_mask=self.auto_exp_avg_mask,
                      overlap=self.overlap, backward_passes_per_step=self.backward_passes_per_step,
+                     transport=self.transport.name,
                      compression=getattr(self.compression, "__name__", repr(self.compression)))
         items.update(self._engine.layout_items())
         check_layout(self.transport, items)
@@ -193,8 +194,8 @@ class StepDriver:
 
     def _redo_if_changed(self, step: int, kind: StepKind) -> bool:
         """Whether some rank's gradients changed after the hooks started their exchange (e.g.
-        clipped without synchronize()), agreed by one 4-byte allreduce on every step where
-        overlap is armed, after every rank has started every bucket's early exchange
+        clipped without synchronize()), agreed by one allgather of a 4-byte flag on every step
+        where overlap is armed, after every rank has started every bucket's early exchange
         (:meth:`.Overlap.complete`), so the collectives pair up. True: the early exchanges are
         completed and their results dropped, and the step exchanges the gradients as they are
         now, like overlap=False (a COMPRESSED step's early worker side only staged its error:

@@ -5,6 +5,8 @@ optimizer of :mod:`hvd_zoadam.shell.optimizer` over a Horovod (or mpi4py) transp
 """
 from __future__ import annotations
 
+import torch
+
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.shell.elastic import register_state_handler
 from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
@@ -53,10 +55,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     ``var_update_weighting`` (``"interval"``, the default: an update of v at t in T_v weighs as
     the steps since the previous one, so that v weighs time as Adam's does; ``"paper"``: as one
     step, the paper's and DeepSpeed's rule), ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
-    1-bit phases over mpi4py on Horovod's MPI world, a ``ValueError`` naming the reason where
-    that cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI controller with
-    ``MPI_THREAD_MULTIPLE`` and mpi4py works, else ``"horovod"``; ``comm_stats()["transport"]``
-    says which), ``bucket_cap_mb``
+    1-bit phases over mpi4py on Horovod's MPI world; ``"gloo"``: the 1-bit phases over a Gloo
+    group of hvd_zoadam's own under Horovod's Gloo controller; each of those two a ``ValueError``
+    naming the reason where it cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI
+    controller with ``MPI_THREAD_MULTIPLE`` and mpi4py works, ``"gloo"`` when it runs the Gloo
+    controller outside an elastic job, else ``"horovod"``; ``comm_stats()["transport"]`` says
+    which), ``bucket_cap_mb``
     (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
     each tensor is cut into blocks of at most this many elements, each with its own scale;
     ``None`` for one scale per tensor; a multiple of 8 or None), ``exp_avg_mask``
@@ -117,7 +121,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     register_state_handler(DistributedAdamOptimizer)
     compression, op = check_horovod_arguments(hvd, compression, op)
     return build_optimizer(
-        optimizer, named_parameters, lambda: make_transport(transport, process_set),
+        optimizer, named_parameters, lambda: make_transport(transport, process_set, _device(optimizer)),
         front_end="hvd_zoadam.DistributedOptimizer", compression=compression,
         backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=gradient_predivide_factor,
         groups=groups, sparse_as_dense=sparse_as_dense, var_freeze_step=var_freeze_step,
@@ -140,3 +144,12 @@ def OnebitAdam(optimizer, named_parameters=None, *, freeze_step, **kwargs):
     """
     return DistributedOptimizer(optimizer, named_parameters, algorithm="onebit", var_freeze_step=freeze_step,
                                 **kwargs)
+
+
+def _device(optimizer):
+    """The device of the optimizer's first parameter (what ``transport="auto"`` weighs), or None."""
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group.get("params", ()) if isinstance(group, dict) else ():
+            if isinstance(p, torch.Tensor):
+                return p.device
+    return None

@@ -123,20 +123,22 @@ def check(model, opt):
         return {"error": str(exc), "seconds": time.perf_counter() - start}
 
 
-def explicit_mpi_transport(out):
-    """transport='mpi' either works (MPI controller) or raises at construction, naming why."""
+def explicit_transports(out):
+    """transport='mpi' and transport='gloo' either work (the MPI, the Gloo controller) or raise at
+    construction, naming why."""
     model = torch.nn.Linear(4, 2)
-    try:
-        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport="mpi")
-        out["explicit_mpi"] = {"ok": opt.comm_stats()["transport"]}
-    except ValueError as exc:
-        out["explicit_mpi"] = {"error": str(exc)}
+    for name in ("mpi", "gloo"):
+        try:
+            opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=name)
+            out[f"explicit_{name}"] = {"ok": opt.comm_stats()["transport"]}
+        except ValueError as exc:
+            out[f"explicit_{name}"] = {"error": str(exc)}
 
 
 def main():
     hvd.init()
     out = {"rank": hvd.rank()}
-    explicit_mpi_transport(out)
+    explicit_transports(out)
     frozen_and_broadcasts(out)
     corrupt_then_broadcast(out)
     mismatches(out)
