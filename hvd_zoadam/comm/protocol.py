@@ -591,7 +591,8 @@ def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: i
     an average: it travels with the 1-bit rounds (mpi4py, the Gloo group) instead of waking
     Horovod's background thread, which on a machine whose cores training fills costs more than
     the flag (docs/performance.md, "Horovod's background thread and the flag")."""
-    flags = transport.allgather(torch.tensor([1 if changed else 0], dtype=torch.int32), names.grads_changed(step))
+    flag = torch.tensor([1 if changed else 0], dtype=torch.int32, device=transport.control_device)
+    flags = transport.allgather(flag, names.grads_changed(step))
     return bool(flags.any())
 
 

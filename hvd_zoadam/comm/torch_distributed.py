@@ -65,6 +65,8 @@ class TorchDistributedTransport(Transport):
         self.group = process_group
         self.backend = str(dist.get_backend(process_group)).lower()
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
+        if BACKEND_DEVICES.get(self.backend) == "cuda":  # NCCL moves CUDA tensors only, set-up messages too
+            self.control_device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group))
         if parent_counter is not None:
             self.counter = CommCounter(parent_counter)
@@ -128,11 +130,12 @@ class TorchDistributedTransport(Transport):
         sizes, then the pickles padded to the longest), so a peer that never arrives at set-up
         raises :class:`CollectiveTimeoutError` too."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        gather = lambda t, part: self.wait(self.start("allgather", t, f"{name}.{part}", count=False))  # noqa: E731
-        sizes = gather(torch.tensor([data.numel()], dtype=torch.int64), "sizes").tolist()
+        gather = lambda t, part: self.wait(self.start("allgather", t, f"{name}.{part}", count=False)).cpu()  # noqa: E731
+        on = self.control_device  # the CPU, or this rank's GPU under NCCL
+        sizes = gather(torch.tensor([data.numel()], dtype=torch.int64, device=on), "sizes").tolist()
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[:data.numel()] = data
-        rows = gather(padded, "data").view(self.world_size, max(sizes))
+        rows = gather(padded.to(on), "data").view(self.world_size, max(sizes))
         return [loads_plain(rows[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
 
     def can_split(self) -> bool:

@@ -142,6 +142,7 @@ class Transport:
 
     name = "base"
     supports_async = False  # True: start() returns before the peers arrive (overlap is possible)
+    control_device = torch.device("cpu")  # where the small set-up and flag tensors travel from
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
