@@ -51,3 +51,41 @@ def test_each_reason_is_named_with_its_fix(gloo_controller, case, words):
     with pytest.raises(ValueError, match=r"^transport='gloo' cannot work here: ") as info:
         GlooTransport()
     assert reason in str(info.value)
+
+
+class _TwoRanks:
+    """A stand-in for Horovod's process set of a 2-rank job, seen from rank 0."""
+    ranks = [0, 1]
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+    def included(self):
+        return True
+
+
+def test_a_group_that_cannot_be_made_is_refused_naming_the_interface_and_the_fix(gloo_controller):
+    import torch
+    import hvd_zoadam.comm.gloo as gloo
+
+    def refused(transport):
+        raise RuntimeError("Connection refused")
+    gloo_controller.setattr(gloo, "_process_set_group", refused)
+    t = GlooTransport(_TwoRanks())
+    with pytest.raises(RuntimeError, match=r"transport='gloo' could not make its Gloo group on "
+                                           r"HOROVOD_GLOO_IFACE='lo' \(rank 0 of 2\): RuntimeError: Connection "
+                                           r"refused; use transport='horovod'"):
+        t.start("alltoall", torch.zeros(8), "x")
+
+
+@pytest.mark.parametrize("device, want", [("cpu", "gloo"), (None, "gloo"), ("cuda", "horovod")])
+def test_auto_picks_gloo_for_cpu_tensors_and_horovod_for_gpu_ones(gloo_controller, device, want):
+    """Under the Gloo controller "auto" sends CPU tensors' rounds over the Gloo group; a GPU's
+    stay on Horovod, whose GPU collectives need no trip through host memory."""
+    import hvd_zoadam.comm.select as select
+    gloo_controller.setattr(hvd, "local_size", lambda: 1)
+    gloo_controller.setattr(select, "mpi_unavailable_reason", lambda: "the Gloo controller")
+    assert select.make_transport("auto", _TwoRanks(), device).name == want
