@@ -611,8 +611,11 @@ def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> 
         keys = sorted(set(mine) | set(theirs), key=lambda k: (not (k in mine and k in theirs), k))
         diffs = [f"{k}: this rank ({transport.rank}) has {mine.get(k, '<missing>')!r}, "
                  f"rank {rank} has {theirs.get(k, '<missing>')!r}" for k in keys if mine.get(k) != theirs.get(k)]
+        hint = (" The transports differ: transport='auto' resolved differently on these ranks (mpi4py, "
+                "MPI_THREAD_MULTIPLE, the address of HOROVOD_GLOO_IFACE, the parameters' device); pass the same "
+                "explicit transport on every rank." if mine.get("transport") != theirs.get("transport") else "")
         raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "
-                         "the optimizer alike. Differences: " + "; ".join(diffs[:10]))
+                         "the optimizer alike. Differences: " + "; ".join(diffs[:10]) + hint)
 
 
 def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,

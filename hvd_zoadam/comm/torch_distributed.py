@@ -65,14 +65,21 @@ class TorchDistributedTransport(Transport):
         self.group = process_group
         self.backend = str(dist.get_backend(process_group)).lower()
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
-        if BACKEND_DEVICES.get(self.backend) == "cuda":  # NCCL moves CUDA tensors only, set-up messages too
-            self.control_device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group))
         if parent_counter is not None:
             self.counter = CommCounter(parent_counter)
 
     def describe(self) -> str:
         return f"torch.distributed ({self.backend})"
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where set-up messages and the flag travel from: this rank's current GPU under NCCL,
+        which moves CUDA tensors only (read at each use: a script may call
+        ``torch.cuda.set_device`` after building the optimizer), else the CPU."""
+        if BACKEND_DEVICES.get(self.backend) == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def check_device(self, device) -> None:
         """ValueError when tensors on ``device`` cannot travel over this group's backend."""

@@ -127,11 +127,13 @@ class MPIHandle:
 
 @dataclass
 class ThreadHandle:
-    """A :class:`ThreadTransport` collective: the k-th start of ``name`` on every rank."""
+    """A :class:`ThreadTransport` collective: the k-th start of ``name`` on every rank (ordered
+    groups: the k-th start of any name)."""
 
     op: str
     key: tuple
     tensor: torch.Tensor
+    name: str
 
 
 class Transport:
@@ -676,7 +678,7 @@ class ThreadTransport(Transport):
             entry["values"][self.rank] = tensor.clone()
             entry["what"][self.rank] = (op, name, tensor.numel())
             g.cond.notify_all()
-        return ThreadHandle(op, (key, k), tensor)
+        return ThreadHandle(op, (key, k), tensor, name)
 
     def wait(self, handle):
         if isinstance(handle, Done):
@@ -686,10 +688,10 @@ class ThreadTransport(Transport):
         with g.cond:
             entry = g.pending[key]
             if not g.cond.wait_for(lambda: g.aborted or all(v is not None for v in entry["values"]), g.timeout_s):
-                raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{key[0]}' did not complete within "
+                raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{handle.name}' did not complete within "
                                              f"{g.timeout_s:g} s on thread-rank {self.rank}")
             if g.aborted:
-                raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{key[0]}' was aborted (another rank failed)")
+                raise CollectiveTimeoutError(f"hvd_zoadam: the {op} '{handle.name}' was aborted (another rank failed)")
             parts, what = entry["values"], entry["what"]
             entry["left"] -= 1
             if entry["left"] == 0:

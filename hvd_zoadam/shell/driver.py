@@ -144,7 +144,8 @@ class StepDriver:
         self._adopt_loaded_adam()
         if not self._checked_layout:
             self._check_layout()
-        self._drain(self._overlap.stale(step, kind))  # the schedule moved under us (a load between backward and step)
+        # the schedule moved under us (a load between backward and step)
+        self._drain(self._overlap.stale(step, kind, len(self._buckets), self._launch))
         if armed:
             self.transport.counter.kind = kind.value
             self._overlap.complete(step, kind, len(self._buckets), self._launch)

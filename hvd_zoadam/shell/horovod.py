@@ -59,7 +59,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     group of hvd_zoadam's own under Horovod's Gloo controller; each of those two a ``ValueError``
     naming the reason where it cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI
     controller with ``MPI_THREAD_MULTIPLE`` and mpi4py works, ``"gloo"`` when it runs the Gloo
-    controller outside an elastic job, else ``"horovod"``; ``comm_stats()["transport"]`` says
+    controller outside an elastic job and the parameters are on the CPU, else ``"horovod"``; ``comm_stats()["transport"]`` says
     which), ``bucket_cap_mb``
     (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
     each tensor is cut into blocks of at most this many elements, each with its own scale;

@@ -102,14 +102,19 @@ class Overlap:
         step (``step``, ``kind``), through ``launch(window, index)``; ``synchronize()`` calls it
         before the "gradients changed?" flag. A parameter with no gradient on this rank (or no
         hook at all) leaves its bucket and every later one unlaunched here while other ranks
-        launched them: afterwards every rank has started the same collectives in the same order,
-        as transports that match collectives by their order (MPI, torch.distributed) need.
-        Nothing in the CLOSED phase: the window was taken, so nothing started since."""
+        launched them: afterwards every rank has started this optimizer's collectives in the
+        same order, as transports that match collectives by their order (MPI, torch.distributed)
+        need. (Several optimizers on one such transport share its order: one whose hooks stop
+        early on one rank can still meet another optimizer's exchange there.) Nothing in the
+        CLOSED phase: the window was taken, so nothing started since."""
         if self.phase is Phase.CLOSED:
             return
         if self.window is None or self.window.step != step or self.window.kind is not kind:
             self.window, self.position = Window(step, kind), 0  # :meth:`stale` drained any other
         self.phase = Phase.OPEN
+        self._launch_rest(nbuckets, launch)
+
+    def _launch_rest(self, nbuckets: int, launch) -> None:
         order = self.launch_order(nbuckets)
         while self.position < len(order):
             launch(self.window, order[self.position])
@@ -125,11 +130,15 @@ class Overlap:
             return None
         return window
 
-    def stale(self, step: int, kind: StepKind) -> Window | None:
-        """The open window if it was started for another step or kind (to be drained), else None."""
+    def stale(self, step: int, kind: StepKind, nbuckets: int, launch) -> Window | None:
+        """The open window if it was started for another step or kind (the schedule moved, e.g.
+        a load between backward and step), to be drained, else None. Its buckets the hooks did
+        not launch are launched first, as :meth:`complete` does, so that every rank drains the
+        same collectives."""
         w = self.window
         if w is not None and (w.step != step or w.kind not in (kind, None)):
-            self.window = None
+            self._launch_rest(nbuckets, launch)
+            self.window, self.position = None, 0
             return w
         return None
 
