@@ -588,11 +588,12 @@ def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: i
     """Whether some rank's gradients changed after the hooks started their exchange: one
     allgather of a 4-byte flag per rank, on every VARIANCE, COMPRESSED and SYNC step where
     overlap is armed (a rank-independent condition), so that all ranks agree. An allgather, not
-    an average: it travels with the 1-bit rounds (mpi4py, the Gloo group) instead of waking
-    Horovod's background thread, which on a machine whose cores training fills costs more than
-    the flag (docs/performance.md, "Horovod's background thread and the flag")."""
+    an average: it travels over the rounds' transport (:meth:`Transport.allgather_flag`; under
+    MPI on a communicator of its own) instead of waking Horovod's background thread, which on a
+    machine whose cores training fills costs more than the flag (docs/performance.md,
+    "Horovod's background thread and the flag")."""
     flag = torch.tensor([1 if changed else 0], dtype=torch.int32, device=transport.control_device)
-    flags = transport.allgather(flag, names.grads_changed(step))
+    flags = transport.allgather_flag(flag, names.grads_changed(step))
     return bool(flags.any())
 
 

@@ -176,6 +176,12 @@ class Transport:
         """In-place average over ranks (Horovod's op=Average)."""
         return self.wait(self.start("allreduce", tensor, name))
 
+    def allgather_flag(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """:meth:`allgather` of the "gradients changed?" flag. Here the same; a transport whose
+        collectives queue in order behind the rounds in flight (mpi4py) sends it on a channel
+        of its own, so that reading it does not wait for every round 1 to finish."""
+        return self.allgather(tensor, name)
+
     # Nonblocking form: start() returns a handle, wait() its result (what the blocking calls
     # above return). ``tensor`` must stay untouched until wait(). Every rank must start the
     # collectives of one transport in the same order (MPI matches nonblocking collectives on a
@@ -369,6 +375,7 @@ def _allgather_object_via_bytes(gather, obj, name: str) -> list:
 
 MPI_CUDA_AWARE_ENV = "HVD_ZOADAM_MPI_CUDA_AWARE"
 _mpi_comms: dict = {}  # tuple(ranks) -> communicator over Horovod's MPI world
+_mpi_flag_comms: dict = {}  # tuple(ranks) -> its duplicate, which carries only the flag
 
 
 def mpi_unavailable_reason() -> str | None:
@@ -446,6 +453,7 @@ def _mpi_comm(process_set):
         comm = world.Create_group(group, tag=1000 + int(process_set.process_set_id))
         group.Free()
         _mpi_comms[ranks] = comm
+        _mpi_flag_comms[ranks] = comm.Dup()  # made with it, so every rank makes it at the same point
     return comm
 
 
@@ -533,11 +541,22 @@ class MPITransport(HorovodTransport):
             return tensor.view(torch.uint8).numpy()
         return tensor.view(torch.uint8)  # __cuda_array_interface__, for a CUDA-aware MPI
 
+    def allgather_flag(self, tensor, name):
+        """See :meth:`Transport.allgather_flag`: on a duplicate of the rounds' communicator
+        (one per process set), which only the flags use, in the same order on every rank."""
+        if self._comm is None:
+            self._comm = _mpi_comm(self.process_set)
+        self._count("allgather", tensor)
+        return self.wait(self._start_on(_mpi_flag_comms[tuple(self.process_set.ranks)], "allgather", tensor, name))
+
     def _start(self, op, tensor, name):
         if op == "allreduce":  # the fp32 averages stay on Horovod's fused allreduce
             return self._start_horovod(op, tensor, name)
         if self._comm is None:
             self._comm = _mpi_comm(self.process_set)
+        return self._start_on(self._comm, op, tensor, name)
+
+    def _start_on(self, comm, op, tensor, name):
         MPI = self._MPI
         send = tensor.contiguous()
         numel = self.world_size * send.numel() if op == "allgather" else send.numel()
@@ -546,7 +565,7 @@ class MPITransport(HorovodTransport):
         host_send, _ = self._host(send, (name, "send"), send=True)
         host_recv, device_recv = self._host(recv, (name, "recv"), send=False)
         sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
-        request = (self._comm.Iallgather if op == "allgather" else self._comm.Ialltoall)(sbuf, rbuf)
+        request = (comm.Iallgather if op == "allgather" else comm.Ialltoall)(sbuf, rbuf)
         return MPIHandle(request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
 
     def progress(self, handle) -> None:
