@@ -497,9 +497,7 @@ class MPITransport(HorovodTransport):
         ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks (:func:`ranks_per_node_override`); the
         cross-node communicator orders the nodes by their lowest rank. Collective over the
         process set's ranks (MPI ``Split``s, made once per process set)."""
-        if self._comm is None:
-            self._comm = _mpi_comm(self.process_set)
-        comm, forced = self._comm, ranks_per_node_override()
+        comm, forced = self._world_comm(), ranks_per_node_override()
         key = (tuple(self.process_set.ranks), forced)
         comms = _mpi_split_comms.get(key)
         if comms is None:
@@ -541,20 +539,23 @@ class MPITransport(HorovodTransport):
             return tensor.view(torch.uint8).numpy()
         return tensor.view(torch.uint8)  # __cuda_array_interface__, for a CUDA-aware MPI
 
+    def _world_comm(self):
+        """The process set's communicator, made at the first collective (construction runs none)."""
+        if self._comm is None:
+            self._comm = _mpi_comm(self.process_set)
+        return self._comm
+
     def allgather_flag(self, tensor, name):
         """See :meth:`Transport.allgather_flag`: on a duplicate of the rounds' communicator
         (one per process set), which only the flags use, in the same order on every rank."""
-        if self._comm is None:
-            self._comm = _mpi_comm(self.process_set)
+        self._world_comm()
         self._count("allgather", tensor)
         return self.wait(self._start_on(_mpi_flag_comms[tuple(self.process_set.ranks)], "allgather", tensor, name))
 
     def _start(self, op, tensor, name):
         if op == "allreduce":  # the fp32 averages stay on Horovod's fused allreduce
             return self._start_horovod(op, tensor, name)
-        if self._comm is None:
-            self._comm = _mpi_comm(self.process_set)
-        return self._start_on(self._comm, op, tensor, name)
+        return self._start_on(self._world_comm(), op, tensor, name)
 
     def _start_on(self, comm, op, tensor, name):
         MPI = self._MPI

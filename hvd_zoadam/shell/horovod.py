@@ -5,8 +5,6 @@ optimizer of :mod:`hvd_zoadam.shell.optimizer` over a Horovod (or mpi4py) transp
 """
 from __future__ import annotations
 
-import torch
-
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.shell.elastic import register_state_handler
 from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
@@ -147,9 +145,6 @@ def OnebitAdam(optimizer, named_parameters=None, *, freeze_step, **kwargs):
 
 
 def _device(optimizer):
-    """The device of the optimizer's first parameter (what ``transport="auto"`` weighs), or None."""
-    for group in getattr(optimizer, "param_groups", ()):
-        for p in group.get("params", ()) if isinstance(group, dict) else ():
-            if isinstance(p, torch.Tensor):
-                return p.device
-    return None
+    """The device of the optimizer's first trainable parameter (what ``transport="auto"``
+    weighs; the engine then requires every trainable parameter on it), or None."""
+    return next((p.device for g in optimizer.param_groups for p in g["params"] if p.requires_grad), None)

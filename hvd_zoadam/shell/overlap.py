@@ -89,13 +89,7 @@ class Overlap:
             self.phase = Phase.OPEN
         if self.window.kind is None:
             return
-        order = self.launch_order(len(bucket_sizes))
-        while self.position < len(order):
-            bi = order[self.position]
-            if self.ready[bi] < bucket_sizes[bi]:
-                return
-            launch(self.window, bi)
-            self.position += 1
+        self._launch_in_order(len(bucket_sizes), launch, lambda bi: self.ready[bi] >= bucket_sizes[bi])
 
     def complete(self, step: int, kind: StepKind, nbuckets: int, launch) -> None:
         """Launch, in launch order, every bucket the hooks have not launched for the coming
@@ -112,11 +106,13 @@ class Overlap:
         if self.window is None or self.window.step != step or self.window.kind is not kind:
             self.window, self.position = Window(step, kind), 0  # :meth:`stale` drained any other
         self.phase = Phase.OPEN
-        self._launch_rest(nbuckets, launch)
+        self._launch_in_order(nbuckets, launch)
 
-    def _launch_rest(self, nbuckets: int, launch) -> None:
+    def _launch_in_order(self, nbuckets: int, launch, ready=lambda bi: True) -> None:
+        """Launch the window's buckets from :attr:`position` on, in launch order, up to the
+        first that is not ``ready``."""
         order = self.launch_order(nbuckets)
-        while self.position < len(order):
+        while self.position < len(order) and ready(order[self.position]):
             launch(self.window, order[self.position])
             self.position += 1
 
@@ -137,7 +133,7 @@ class Overlap:
         same collectives."""
         w = self.window
         if w is not None and (w.step != step or w.kind not in (kind, None)):
-            self._launch_rest(nbuckets, launch)
+            self._launch_in_order(nbuckets, launch)
             self.window, self.position = None, 0
             return w
         return None
