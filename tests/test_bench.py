@@ -99,6 +99,8 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
             assert sum(parts[k] for k in parts if k not in ("steps", "wall")) == pytest.approx(parts["wall"]), name
     assert runs["compute"]["breakdown"]["step"]["steps"] == 7 and "breakdown" not in runs["diloco-h8"]
     assert z["breakdown"]["sync"]["kernels"] > 0 and z["breakdown"]["local"]["wire"] == 0
+    # the hooks start each SYNC step's exchange during backward: its own work is split out
+    assert z["breakdown"]["sync"]["early_start"] > 0 and z["breakdown"]["local"]["early_start"] == 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")

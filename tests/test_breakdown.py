@@ -11,6 +11,7 @@ import torch
 from hvd_zoadam import native
 from hvd_zoadam.bench.breakdown import LABELS, Breakdown, split_waits, table
 from hvd_zoadam.comm.protocol import Exchange
+from hvd_zoadam.shell.driver import StepDriver
 
 
 def _rank(steps, collectives):
@@ -83,6 +84,7 @@ def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
     from hvd_zoadam.comm.transport import ThreadGroup
     originals = {name: getattr(native, name) for name in native.__all__}
     phases = {name: Exchange.__dict__[name] for name in ("start", "serve", "gather_status")}
+    launch = StepDriver.__dict__["_launch"]
     native.warm_up()  # compiled first: a compiling rank would hold the other up in the kernels
     transports = ThreadGroup(2).transports()
     n = 4096
@@ -109,6 +111,7 @@ def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
             bd.uninstall()
     assert {name: getattr(native, name) for name in native.__all__} == originals
     assert {name: Exchange.__dict__[name] for name in phases} == phases
+    assert StepDriver.__dict__["_launch"] is launch
     assert "start" not in vars(transports[0]) and "wait" not in vars(transports[0])
     assert torch.allclose(out[0], torch.full((n,), 1.5))  # C of constant inputs is exact
     ranks = [bd.to_json() for bd in bds]

@@ -3,7 +3,9 @@
 Nothing in hvd_zoadam carries a timer: :meth:`Breakdown.install` wraps, from the outside and
 for this process only, the Numba kernels (``hvd_zoadam.native``'s public functions), the
 1-bit protocol's phases (:class:`~hvd_zoadam.comm.protocol.Exchange` ``start``, ``serve``,
-``gather_status``, ``commit``, ``rollback``) and the transport's ``start``/``wait``. Without
+``gather_status``, ``commit``, ``rollback``), the start of one bucket's exchange ahead of
+``step()`` (:meth:`~hvd_zoadam.shell.driver.StepDriver._launch`) and the transport's
+``start``/``wait``. Without
 ``install`` nothing is wrapped: a run that does not ask for a breakdown pays only the four
 clock reads per step of the benchmark's own regions.
 
@@ -11,7 +13,13 @@ Time is exclusive: a second belongs to the innermost wrapped call running then, 
 inside ``Exchange.start`` counts as ``kernels``, not ``packing``. The labels:
 
 * ``forward_backward``: the benchmark's data, forward and backward (less what the gradient
-  hooks start inside it, which has its own label);
+  hooks start inside it, which has its own labels);
+* ``early_start``: the optimizer's work in starting a bucket's exchange ahead of ``step()``,
+  from the gradient hooks during backward (or from ``synchronize()`` for the buckets the hooks
+  did not start), outside the labels below: a SYNC step's local update on copies and its
+  window's update, a COMPRESSED step's preconditioning, in torch ops. Only the calls on the
+  thread of :meth:`Breakdown.begin_step` are timed: where autograd runs the hooks on threads
+  of its own (CUDA), this time stays in ``forward_backward``;
 * ``optimizer``: ``step()``'s Python and torch work outside the labels below (the step math
   in torch ops, gathering and scattering parameters, the driver);
 * ``kernels``: inside a Numba kernel;
@@ -34,7 +42,7 @@ import functools
 import threading
 import time
 
-LABELS = ("forward_backward", "optimizer", "kernels", "packing", "wire", "waiting_for_slowest", "other")
+LABELS = ("forward_backward", "early_start", "optimizer", "kernels", "packing", "wire", "waiting_for_slowest", "other")
 _EXCHANGE_PHASES = ("start", "serve", "gather_status", "commit", "rollback")
 
 
@@ -110,6 +118,7 @@ class Breakdown:
         ranks can each have their own."""
         from hvd_zoadam import native
         from hvd_zoadam.comm.protocol import Exchange
+        from hvd_zoadam.shell.driver import StepDriver
         for name in native.__all__:
             fn = getattr(native, name)
             if callable(fn) and not isinstance(fn, type) and name not in ("warm_up", "configure_threads",
@@ -117,6 +126,7 @@ class Breakdown:
                 self._patch(native, name, self._timed(fn, "kernels"))
         for name in _EXCHANGE_PHASES:
             self._patch(Exchange, name, self._timed(getattr(Exchange, name), "packing"))
+        self._patch(StepDriver, "_launch", self._timed(StepDriver._launch, "early_start"))
         if transport is None:
             return self
         start, wait = transport.start, transport.wait
