@@ -47,10 +47,17 @@ def test_split_waits_moves_the_wait_for_the_last_starter_out_of_the_wire():
     assert by[(1, 2)]["waiting_for_slowest"] == pytest.approx(0.5)  # 0.0 (b) + 0.2 + 0.3 (c)
     assert by[(1, 2)]["wire"] == pytest.approx(0.2)
     assert by[(3, 2)]["waiting_for_slowest"] == 0.0
+    # each collective's calls less its wait, by op: rank 0's alltoall 0.5 - 0.3 (step 1); its
+    # allgather 0.1 and alltoall 0.2 + 0.3 - 0.5 (step 2)
+    assert by[(0, 1)]["wire_by_op"] == {"alltoall": pytest.approx(0.2)}
+    assert by[(1, 2)]["wire_by_op"] == {"allgather": pytest.approx(0.1), "alltoall": pytest.approx(0.0)}
     t = table(rows, 2)
     assert t["sync"]["steps"] == 1 and t["local"]["steps"] == 1
     assert t["sync"]["waiting_for_slowest"] == pytest.approx(0.15)  # mean of 0.3 and 0.0
     assert t["sync"]["wire"] == pytest.approx(0.2)
+    assert t["sync"]["wire_by_op"] == {"alltoall": pytest.approx(0.2)}
+    # step 2, mean of the ranks: allgather (0.1 + 0.3) / 2, alltoall (0.0 + 0.1) / 2
+    assert t["local"]["wire_by_op"] == {"allgather": pytest.approx(0.2), "alltoall": pytest.approx(0.05)}
 
 
 def test_split_waits_refuses_ranks_whose_collectives_do_not_pair():
@@ -88,7 +95,7 @@ def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
     native.warm_up()  # compiled first: a compiling rank would hold the other up in the kernels
     transports = ThreadGroup(2).transports()
     n = 4096
-    out, bds = [None, None], [Breakdown().install(t) for t in transports]
+    out, flags, bds = [None, None], [None, None], [Breakdown().install(t) for t in transports]
     try:
         def work(r):
             ex = Exchange([n], transports[r], "b0")
@@ -100,6 +107,7 @@ def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
                     time.sleep(0.2)  # rank 1 starts late: rank 0 waits for it
                 token = ex.prepare(y)
                 out[r] = ex.finish(y, token, torch.empty(n))
+                flags[r] = transports[r].allgather_flag(torch.tensor([r], dtype=torch.int32), "flag")
             bds[r].end_step("compressed")
         threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
         for t in threads:
@@ -112,10 +120,12 @@ def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
     assert {name: getattr(native, name) for name in native.__all__} == originals
     assert {name: Exchange.__dict__[name] for name in phases} == phases
     assert StepDriver.__dict__["_launch"] is launch
-    assert "start" not in vars(transports[0]) and "wait" not in vars(transports[0])
+    assert not {"start", "wait", "allgather_flag"} & set(vars(transports[0]))
+    assert flags[0].tolist() == [0, 1]
     assert torch.allclose(out[0], torch.full((n,), 1.5))  # C of constant inputs is exact
     ranks = [bd.to_json() for bd in bds]
-    assert [[c[1] for c in r["collectives"]] for r in ranks] == [["alltoall", "allgather"]] * 2
+    # the flag is one record, not also the allgather that carries it
+    assert [[c[1] for c in r["collectives"]] for r in ranks] == [["alltoall", "allgather", "flag"]] * 2
     rows = split_waits(ranks)
     assert rows[0]["kernels"] > 0 and rows[0]["packing"] > 0
     assert rows[0]["waiting_for_slowest"] >= 0.15  # the 0.2 s rank 1 slept

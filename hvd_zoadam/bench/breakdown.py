@@ -52,7 +52,8 @@ class Breakdown:
     ``steps``: one dict per finished step: ``step``, ``kind``, ``wall`` (seconds from
     :meth:`begin_step` to :meth:`end_step`) and the seconds of each label of :data:`LABELS`
     but ``waiting_for_slowest`` (filled in later by :func:`split_waits`).
-    ``collectives``: ``[step, op, name, t_start, spans]`` per collective in start order, with
+    ``collectives``: ``[step, op, name, t_start, spans]`` per collective in start order (op
+    ``"flag"`` for the transport's ``allgather_flag``, however it is carried), with
     ``spans`` the ``[begin, end]`` of its ``start`` and ``wait`` calls (perf_counter seconds).
     """
 
@@ -67,6 +68,7 @@ class Breakdown:
         self._begin = 0.0
         self._undo: list = []
         self._thread = threading.get_ident()  # the thread whose steps are timed (begin_step's)
+        self._recording = True  # False inside the flag's own record
 
     # -- exclusive timing ---------------------------------------------------------------------
     def _enter(self, label: str) -> None:
@@ -134,14 +136,31 @@ class Breakdown:
         def timed_start(op, tensor, name, count=True):
             self._enter("wire")
             record = [self._step, op, name, self._last, []]
-            self.collectives.append(record)
+            if self._recording:
+                self.collectives.append(record)
             try:
                 handle = start(op, tensor, name, count)
             finally:
                 self._exit()
                 record[4].append([record[3], self._last])  # a blocking transport waits in start()
-            self._handles[id(handle)] = record
+            if self._recording:
+                self._handles[id(handle)] = record
             return handle
+
+        flag = transport.allgather_flag
+
+        def timed_flag(tensor, name):
+            # one record for the flag, whatever start/wait calls the transport makes inside
+            self._enter("wire")
+            record = [self._step, "flag", name, self._last, []]
+            self.collectives.append(record)
+            self._recording = False
+            try:
+                return flag(tensor, name)
+            finally:
+                self._recording = True
+                self._exit()
+                record[4].append([record[3], self._last])
 
         def timed_wait(handle):
             record = self._handles.pop(id(handle), None)
@@ -155,6 +174,7 @@ class Breakdown:
                     record[4].append([t0, self._last])
         self._patch(transport, "start", timed_start)
         self._patch(transport, "wait", timed_wait)
+        self._patch(transport, "allgather_flag", timed_flag)
         return self
 
     def uninstall(self) -> None:
@@ -190,7 +210,11 @@ def split_waits(ranks: list[dict]) -> list[dict]:
     the data cannot move before the last rank has started it (t_last = the latest
     ``t_start``); the part of rank r's ``start`` and ``wait`` calls before t_last is
     ``waiting_for_slowest`` of the step that collective belongs to. Returns the ranks' step
-    rows with that label added and ``wire`` reduced by as much.
+    rows with that label added and ``wire`` reduced by as much, and ``wire_by_op``: the
+    seconds of each recorded collective's calls less its wait, by op (``alltoall``: a 1-bit
+    exchange's round 1, ``allgather``: its round 2, ``allreduce``: a full-precision average,
+    ``flag``: the "gradients changed?" flag); together at most ``wire`` (a collective the
+    breakdown does not record, such as a set-up message, is in ``wire`` alone).
 
     Raises:
         ValueError: when the ranks recorded different numbers or kinds of collectives (they
@@ -199,7 +223,7 @@ def split_waits(ranks: list[dict]) -> list[dict]:
     counts = {len(r["collectives"]) for r in ranks}
     if len(counts) != 1:
         raise ValueError(f"split_waits: the ranks recorded {sorted(counts)} collectives; they pair by order")
-    out = [[dict(row, waiting_for_slowest=0.0) for row in r["steps"]] for r in ranks]
+    out = [[dict(row, waiting_for_slowest=0.0, wire_by_op={}) for row in r["steps"]] for r in ranks]
     index = [{row["step"]: row for row in rows} for rows in out]
     for k, records in enumerate(zip(*(r["collectives"] for r in ranks))):
         if len({(rec[1], rec[2]) for rec in records}) != 1:
@@ -212,19 +236,25 @@ def split_waits(ranks: list[dict]) -> list[dict]:
             waited = sum(max(0.0, min(t1, t_last) - t0) for t0, t1 in rec[4])
             row["waiting_for_slowest"] += waited
             row["wire"] -= waited
+            ops = row["wire_by_op"]
+            ops[rec[1]] = ops.get(rec[1], 0.0) + sum(t1 - t0 for t0, t1 in rec[4]) - waited
     return [row for rows in out for row in rows]
 
 
 def table(rows: list[dict], world_size: int) -> dict:
     """Mean seconds per step of each label, per step kind, over the ranks' step rows
-    (``rows`` from :func:`split_waits`): ``{kind: {"steps": n, "wall": s, label: s, ...}}``,
-    ``steps`` counted once per step (not per rank)."""
+    (``rows`` from :func:`split_waits`): ``{kind: {"steps": n, "wall": s, label: s, ...,
+    "wire_by_op": {op: s}}}``, ``steps`` counted once per step (not per rank)."""
     out: dict = {}
     for row in rows:
-        acc = out.setdefault(row["kind"], {"n": 0, "wall": 0.0, **{label: 0.0 for label in LABELS}})
+        acc = out.setdefault(row["kind"], {"n": 0, "wall": 0.0, "ops": {}, **{label: 0.0 for label in LABELS}})
         acc["n"] += 1
         acc["wall"] += row["wall"]
         for label in LABELS:
             acc[label] += row.get(label, 0.0)
+        for op, seconds in row.get("wire_by_op", {}).items():
+            acc["ops"][op] = acc["ops"].get(op, 0.0) + seconds
     return {kind: {"steps": acc["n"] // world_size, "wall": acc["wall"] / acc["n"],
-                   **{label: acc[label] / acc["n"] for label in LABELS}} for kind, acc in out.items()}
+                   **{label: acc[label] / acc["n"] for label in LABELS},
+                   "wire_by_op": {op: seconds / acc["n"] for op, seconds in sorted(acc["ops"].items())}}
+            for kind, acc in out.items()}
