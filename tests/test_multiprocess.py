@@ -217,8 +217,8 @@ def test_process_sets_train_separate_models_without_cross_talk(launcher, tmp_pat
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
     """hvd.broadcast_optimizer_state with frozen parameters, before the first step, twice, and over corrupted
-    non-tensor options and counters; settings that differ across ranks raise on every rank; an explicit
-    transport='mpi' or 'gloo' never falls back silently."""
+    non-tensor options and counters, and mid-run after rank 0 alone changed v; settings that differ across
+    ranks raise on every rank; an explicit transport='mpi' or 'gloo' never falls back silently."""
     run_job(launcher, 2, ["tests/mp/worker_bcast.py", str(tmp_path)], timeout_s=120)
     r0, r1 = load_ranks(tmp_path, 2)
     for r in (r0, r1):  # an explicit transport='mpi' or 'gloo' never falls back silently
@@ -248,6 +248,8 @@ def test_broadcast_optimizer_state_and_settings_check(launcher, tmp_path):
         for key in g0:
             assert type(g0[key]) is type(g1[key]), key
     assert c1["groups"][0]["zoadam"]["step"] == 5 and c1["groups"][0]["lr"] == 1e-3
+    # rank 0's new v, broadcast mid-run, is what every rank's next SYNC steps use
+    assert all(torch.equal(a, b) for a, b in zip(r0["root_v"], r1["root_v"]))
     assert type(c1["groups"][0]["zoadam"]["freeze_lr"]) is float
     assert same_state(c0["state"], c1["state"])
     assert all(torch.equal(a, b) for a, b in zip(c0["after"], c1["after"]))

@@ -365,8 +365,9 @@ def test_memory_report_matches_the_documented_formula_and_does_not_grow():
         assert m6["state"] + m6["error_buffers"] <= (4 + 1 / p) * 4 * n + 4 * 8 * p * 2
         nseg = -(-1_000_000 // 2048) + 2  # scale blocks: worker scales + server scales, 4 bytes each
         # four shared float32 buffers, the bucket's exchange input (P > 1), packed bytes, the two
-        # messages (signs and scales), the server's packed chunk and its staged error (N/P floats)
-        assert m6["scratch"] <= 5 * 4 * big + 2 * (big // 8) + 2 * (big // (8 * p)) + 4 * (big // p) \
+        # messages (signs and scales), the server's packed chunk and its staged error (N/P floats),
+        # and on the CPU the kept denominators (n floats)
+        assert m6["scratch"] <= 5 * 4 * big + 4 * n + 2 * (big // 8) + 2 * (big // (8 * p)) + 4 * (big // p) \
             + 8 * nseg + 64 * p
 
 

@@ -83,7 +83,7 @@ class Engine:
         self._device_param = None
         self.scratch: dict = {}
         self.inv_grad_scale = None  # 1 / GradScaler's scale while scaler.step() drives the step
-        self._mask_cache: dict = {}
+        self.derived = DerivedFromExpAvgSq(self)
 
     @property
     def param_groups(self) -> list:
@@ -292,37 +292,87 @@ class Engine:
         return d[:numel]
 
     def mask_of(self, b: Bucket):
-        """The momentum mask in force for bucket ``b`` (None when there is none).
+        """The momentum mask in force for bucket ``b`` (None when there is none): the user's,
+        and with ``auto_exp_avg_mask`` also :meth:`DerivedFromExpAvgSq.mask`."""
+        return self.derived.mask(b) if self.auto_exp_avg_mask else b.mask
 
-        With ``auto_exp_avg_mask``, a coordinate whose ``exp_avg_sq`` is exactly 0 is masked:
-        its averaged gradient was exactly 0 on all ranks in every VARIANCE step so far. Such a
-        coordinate cannot take an Adam step with the (frozen) v: the step would be m/eps, and
-        sign compression hands it ±scale noise. No extra memory: the test reads v.
-        """
-        if not self.auto_exp_avg_mask:
-            return b.mask
-        # Cached until exp_avg_sq changes (its version counter moves on every in-place write:
-        # a VARIANCE step, a load, a broadcast); None when nothing is masked, which saves a
-        # pass over the bucket in every step and is bitwise the same as an all-ones mask.
-        key = (b.exp_avg_sq._version, id(b.mask))
-        cached = self._mask_cache.get(id(b))
-        if cached is None or cached[0] != key:
-            seen = b.exp_avg_sq != 0
-            mask = seen if b.mask is None else seen & b.mask.bool()
-            cached = (key, None if bool(mask.all()) else mask)
-            self._mask_cache[id(b)] = cached
-        return cached[1]
+    def denom(self, b: Bucket, h: kinds.Hyper) -> torch.Tensor:
+        """s = sqrt(v̂) + eps of bucket ``b``, float32[n], for reading only
+        (:meth:`DerivedFromExpAvgSq.denom`)."""
+        return self.derived.denom(b, h)
 
     def memory_bytes(self) -> dict:
         """Bytes held: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master weights for
-        fp16/bf16 parameters, uint8 masks), ``error_buffers``, ``scratch`` (reused every step)
-        and ``total``."""
+        fp16/bf16 parameters, uint8 masks), ``error_buffers``, ``scratch`` (reused every step; on the
+        CPU also the kept denominators of :meth:`denom`) and ``total``."""
         state = sum((3 + (b.master is not None)) * 4 * b.numel + (b.mask is not None) * b.numel
                     for b in self.buckets)
         errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self.buckets)
         scratch = sum(t.numel() * t.element_size() for t in self.scratch.values()) \
-            + sum(b.exchange.memory_bytes()["scratch"] for b in self.buckets)
+            + sum(b.exchange.memory_bytes()["scratch"] for b in self.buckets) \
+            + self.derived.denom_bytes()
         return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+
+
+class DerivedFromExpAvgSq:
+    """What an engine derives from its buckets' ``exp_avg_sq`` and keeps between steps: the
+    automatic momentum mask and, on the CPU, the Adam denominators.
+
+    Each is kept while the tensor's version counter stays. torch's in-place ops move it (a
+    VARIANCE step, ``load_state_dict``'s copies), but Horovod's in-place broadcast writes the
+    tensors from C++ without moving it, so whatever hands out references to the state
+    (``state_dict()``, which ``hvd.broadcast_optimizer_state`` writes through) calls
+    :meth:`forget` first.
+    """
+
+    def __init__(self, engine: Engine):
+        self._engine = weakref.ref(engine)  # the engine owns this: no cycle
+        self._masks: dict = {}
+        self._denoms: dict = {}
+
+    def mask(self, b: Bucket):
+        """bool[n], False where ``exp_avg_sq`` is exactly 0 (or the user's mask is 0), or None
+        when nothing is masked (bitwise the same as all True, and a pass fewer per step).
+
+        A coordinate whose v is 0 had an averaged gradient of exactly 0 on all ranks in every
+        VARIANCE step so far. It cannot take an Adam step with the (frozen) v: the step would be
+        m/eps, and sign compression hands it ±scale noise."""
+        key = (b.exp_avg_sq._version, b.exp_avg_sq.data_ptr(), id(b.mask))
+        cached = self._masks.get(id(b))
+        if cached is None or cached[0] != key:
+            seen = b.exp_avg_sq != 0
+            mask = seen if b.mask is None else seen & b.mask.bool()
+            cached = self._masks[id(b)] = (key, None if bool(mask.all()) else mask)
+        return cached[1]
+
+    def denom(self, b: Bucket, h: kinds.Hyper) -> torch.Tensor:
+        """s = sqrt(v̂) + eps of bucket ``b`` (:func:`~hvd_zoadam.core.kinds.adam_denom`),
+        float32[n], for reading only.
+
+        On the CPU it is kept per bucket until exp_avg_sq, its bias correction or eps change
+        (after the variance freeze: never), which takes three passes over the bucket off each
+        LOCAL step and six off each SYNC step, for 4 bytes per element held. On a GPU it is
+        recomputed into the engine's scratch where it is used (the passes cost microseconds
+        there, the bytes would be GPU memory). Bitwise the same values either way.
+        """
+        engine = self._engine()
+        if engine.device.type != "cpu":
+            return kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
+        key = (b.exp_avg_sq._version, b.exp_avg_sq.data_ptr(), h.bias_correction2, h.eps)
+        cached = self._denoms.get(id(b))
+        if cached is None or cached[0] != key:
+            out = cached[1] if cached is not None else torch.empty(b.numel, device=engine.device)
+            cached = self._denoms[id(b)] = (key, kinds.adam_denom(b.exp_avg_sq, h, out=out))
+        return cached[1]
+
+    def denom_bytes(self) -> int:
+        """Bytes of the kept denominators."""
+        return sum(d.numel() * d.element_size() for _, d in self._denoms.values())
+
+    def forget(self) -> None:
+        """Derive everything again at its next use."""
+        self._masks.clear()
+        self._denoms.clear()
 
 
 def short_digest(obj) -> str:

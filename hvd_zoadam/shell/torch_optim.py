@@ -188,12 +188,15 @@ class StateDictMixin:
         move with later steps; the tensors are references, as torch's). Called by ``hvd.broadcast_optimizer_state`` before the first
         step, it first gives every trainable parameter without a gradient a zero gradient, as
         Horovod's function does for a fresh optimizer before its dummy ``step()`` (which
-        hvd_zoadam, whose state exists from construction, never needs)."""
+        hvd_zoadam, whose state exists from construction, never needs). What the engine derives
+        from ``exp_avg_sq`` is recomputed at its next use: Horovod's broadcast writes the tensors
+        handed out without moving their version counters."""
         if self._counters["step"] == 0 and _called_by_broadcast_optimizer_state():
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)
+        self._engine.derived.forget()  # the tensors handed out may be written behind torch's back
         state = super().state_dict()
         for group in state["param_groups"]:  # the counters as they are now, not a live view of them
             if STATE_KEY in group:
@@ -245,6 +248,7 @@ class StateDictMixin:
                     if p in originals and skey in originals[p]:
                         view.copy_(originals[p][skey].reshape(view.shape))
                     self.state[p][skey] = view
+        self._engine.derived.forget()
         for group in self.param_groups:
             group.setdefault("lr_sum", 0.0)
             group.setdefault("decay_product", 1.0)

@@ -90,6 +90,31 @@ def corrupt_then_broadcast(out):
     out["corrupt"]["after"] = [p.detach().clone() for p in model.parameters()]
 
 
+def root_changes_exp_avg_sq_then_broadcast(out):
+    """After the freeze rank 0 alone changes v (zeros on a few coordinates, the rest scaled, as
+    a load of another checkpoint would) and broadcasts its state. Horovod's broadcast writes the
+    other ranks' v without moving its version counter: their next SYNC steps must still use the
+    broadcast v (its mask and its denominators), or the parameters part."""
+    model = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                          named_parameters=model.named_parameters(), var_freeze_step=3,
+                                          var_update_scaler=1, local_step_scaler=1000, local_step_clipper=1)
+
+    def steps(first, last):
+        for t in range(first, last + 1):
+            opt.zero_grad()
+            common.loss_fn(model, t, hvd.rank()).backward()
+            opt.step()  # H = 1 throughout: every step after the freeze is a SYNC step
+    steps(1, 6)
+    if hvd.rank() == 0:
+        v = next(iter(opt.state.values()))["exp_avg_sq"]
+        v.view(-1)[:5].zero_()
+        v.mul_(4.0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    steps(7, 9)
+    out["root_v"] = [p.detach().clone() for p in model.parameters()]
+
+
 def mismatches(out):
     res = {}
     cases = {
@@ -141,6 +166,7 @@ def main():
     explicit_transports(out)
     frozen_and_broadcasts(out)
     corrupt_then_broadcast(out)
+    root_changes_exp_avg_sq_then_broadcast(out)
     mismatches(out)
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
 

@@ -95,6 +95,6 @@ class _MomentumStep:
             b.exp_avg.mul_(mask)
             b.exchange.mask_errors(mask)
         x = engine.load_x(b)
-        kinds.frozen_adam_step(x, b.exp_avg, kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel)), h)
+        kinds.frozen_adam_step(x, b.exp_avg, engine.denom(b, h), h)
         engine.scatter(x, b.params)
 

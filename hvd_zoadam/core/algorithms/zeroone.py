@@ -72,7 +72,7 @@ class ZeroOneAdam:
             return None
         k = counters["exp_avg_sq_steps"]
         h = engine.hyper(b, step, k)
-        return kinds.adam_denom(b.exp_avg_sq, h), kinds.normalized_gradient_bound(h, engine.transport.world_size)
+        return engine.denom(b, h), kinds.normalized_gradient_bound(h, engine.transport.world_size)
 
     @staticmethod
     def fill_compressed(engine, b, buf, pre) -> None:
@@ -144,7 +144,7 @@ class ZeroOneAdam:
         engine = ctx.engine
         for b in engine.buckets:
             h = engine.hyper(b, ctx.step, k)
-            x = self.local_update(engine, b, h, kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel)))
+            x = self.local_update(engine, b, h, engine.denom(b, h))
             engine.scatter(x, b.params)
         advance_window(engine.param_groups)
 
@@ -165,7 +165,7 @@ class ZeroOneAdam:
         if not lr_sum > 0:
             return False
         h = engine.hyper(b, step, counters["exp_avg_sq_steps"])
-        denom = kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
+        denom = engine.denom(b, h)
         x = engine.load_x(b)
         x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
         x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
@@ -179,7 +179,7 @@ class ZeroOneAdam:
         (algorithm.md §6). Only after the freeze, where the errors are those of the window
         updates: u = x_a − x (or (x_a − x)·s without ``precondition_compression``)."""
         if not self.precondition_compression:
-            owed = owed / kinds.adam_denom(b.exp_avg_sq, engine.hyper(b, step, k))
+            owed = owed / engine.denom(b, engine.hyper(b, step, k))
         x = engine.load_x(b)
         x.sub_(owed)
         b.anchor.sub_(owed)
@@ -216,7 +216,7 @@ def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
 def compressed_step(ctx: StepContext, k: int) -> None:
     """COMPRESSED on every bucket, from ĝ in p.grad (the local g at P = 1)."""
     for b, h, g, x in _with_gradients(ctx, k):
-        denom = kinds.adam_denom(b.exp_avg_sq, h, out=ctx.engine.scratch_d(b.numel))
+        denom = ctx.engine.denom(b, h)
         kinds.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
 
 
@@ -250,12 +250,12 @@ class _SyncStep:
     """One SYNC step (algorithm.md §2): the local update of every bucket, then the 1-bit
     exchange of each live bucket's window update and the rebuild of x, m and the anchor.
 
-    The engine's scratch holds one bucket's denominator and one bucket's x at a time;
-    ``denom_for`` and ``x_for`` say whose. The denominator is recomputed where it is used
-    (bitwise the same each time: v is frozen); keeping every bucket's alive through the
-    exchange cost a fresh bucket-sized allocation per bucket and step, slower than the
-    recomputation. With one bucket its x stays in the scratch until the rebuild, so the
-    local update's x is written to the parameters only if the bucket is not rebuilt.
+    The engine's scratch holds one bucket's x at a time, and on a GPU one bucket's
+    denominator (:meth:`~hvd_zoadam.core.engine.Engine.denom`; on the CPU the engine keeps every bucket's);
+    ``denom_for`` and ``x_for`` say whose. A denominator the scratch no longer holds is
+    recomputed where it is used (bitwise the same each time: v is frozen). With one bucket
+    its x stays in the scratch until the rebuild, so the local update's x is written to the
+    parameters only if the bucket is not rebuilt.
 
     A bucket whose exchange the backward hooks started (``ctx.started_early``) has its local
     update taken only if the exchange is skipped: otherwise the rebuild, which reads neither x
@@ -266,7 +266,8 @@ class _SyncStep:
         self.algorithm, self.ctx, self.k = algorithm, ctx, k
         self.engine = ctx.engine
         self.preconditioned = algorithm.precondition_compression
-        self.denom_for = None  # the bucket whose denominator the scratch holds
+        self.denom_for = None  # the bucket whose denominator denom_value is
+        self.denom_value = None
         self.x_for = None      # the bucket whose x the scratch holds
         self.rebuilt = set()   # id() of the buckets rebuilt from the exchange
 
@@ -301,10 +302,9 @@ class _SyncStep:
 
     def denom(self, b):
         if self.denom_for is not b:
-            kinds.adam_denom(b.exp_avg_sq, self.engine.hyper(b, self.ctx.step, self.k),
-                             out=self.engine.scratch_d(b.numel))
+            self.denom_value = self.engine.denom(b, self.engine.hyper(b, self.ctx.step, self.k))
             self.denom_for = b
-        return self.engine.scratch_d(b.numel)
+        return self.denom_value
 
     def x(self, b):
         """x as the local update left it (and scattered it): no second gather when it is still there."""
