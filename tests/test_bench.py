@@ -242,6 +242,9 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # the CPU kernels' speed targets are reported
     assert isinstance(rep["kernels"]["decompress_momentum"]["met"], bool)
     assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert rep["provenance"]["command"] == "python -m hvd_zoadam.bench kernels --numel 65536 --repeats 1"
+    assert rep["provenance"]["commit"] in (head, head + "+changes")  # the tests run in a checkout
     # memory traffic per element against the copy's 8 bytes, by hand for n = 65536, P = 2 (no padding):
     # decompress_sync reads 1/8 (bits) + 4 (x_a) + 4 (s) and writes 4 (x) + 4 (m) + 4 (x_a) for its 4 counted
     ratios = {"decompress_sync": (1 / 8 + 20) / 8, "decompress_momentum": (1 / 8 + 8) / 8,
@@ -249,6 +252,33 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     for name, ratio in ratios.items():
         k = rep["kernels"][name]
         assert k["traffic_vs_copy"] == pytest.approx(k["vs_copy"] * ratio, rel=1e-9), name
+
+
+def test_provenance_names_the_commit_the_command_and_the_machine(tmp_path):
+    from hvd_zoadam.bench import provenance
+    import torch
+    plain = provenance(["step", "--iters", "2"], root=tmp_path)  # not a git checkout (an installed package)
+    assert plain["commit"] is None and plain["command"] == "python -m hvd_zoadam.bench step --iters 2"
+    assert plain["cores"] == os.cpu_count() and plain["torch"] == torch.__version__
+    assert plain["cpu"] is None or plain["cpu"]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.org", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (repo / "f").write_text("1")
+    git("add", "f")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    assert provenance([], root=repo)["commit"] == head
+    (repo / "untracked").write_text("x")       # run outputs and the like do not count
+    assert provenance([], root=repo)["commit"] == head
+    (repo / "f").write_text("2")
+    assert provenance([], root=repo)["commit"] == head + "+changes"
+    (repo / "sub").mkdir()                      # a package inside another project's checkout
+    assert provenance([], root=repo / "sub")["commit"] is None
 
 
 @pytest.mark.parametrize("block", ["2048", "40"])

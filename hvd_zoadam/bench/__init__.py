@@ -1,7 +1,50 @@
 """Benchmarks: ``python -m hvd_zoadam.bench {network,step,model,kernels,convergence,scaling,resume,
 load,chaos}`` (:mod:`.cli`), each printing JSON, and the simulated hosts of :mod:`.netsim`.
 Nothing in the library imports this package."""
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+
+def provenance(argv=None, root=None) -> dict:
+    """Where a report's figures came from, for the JSON of every benchmark: ``commit`` (the
+    git commit of the hvd_zoadam checkout that ran, ``+changes`` appended when its tracked
+    files differ from it; None where the package is not a git checkout of its own, such as an
+    installed wheel), ``command`` (``python -m hvd_zoadam.bench`` and ``argv``, by default
+    this process's arguments), ``cpu`` (the processor's model name, family, model, stepping
+    and cache size, None where /proc/cpuinfo has no model name), ``cores`` and the ``torch`` and Python versions. Ratios between two reports
+    compare only on one machine: ``cpu`` says whether they came from one. ``root``: the
+    checkout to read (default: the one this package is in)."""
+    root = Path(__file__).resolve().parents[2] if root is None else Path(root).resolve()
+
+    def git(*args):
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+    commit = None
+    top = git("rev-parse", "--show-toplevel")
+    if top and Path(top).resolve() == root:
+        commit = git("rev-parse", "HEAD")
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+changes"
+    cpu = None
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+        info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first)}
+        if info.get("model name"):  # a virtual machine's name can be generic: its family and cache tell more
+            cpu = (f"{info['model name']} (family {info.get('cpu family')}, model {info.get('model')}, "
+                   f"stepping {info.get('stepping')}, cache {info.get('cache size')})")
+    except OSError:
+        pass
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return {"commit": commit, "command": " ".join(["python -m hvd_zoadam.bench", *argv]), "cpu": cpu,
+            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 def group_loss(model, batch, loss_fn, data_ranks: int, world_size: int, rank: int):

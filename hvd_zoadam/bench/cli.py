@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from hvd_zoadam.bench import breakdown as _breakdown_mod, chaos as _bench_chaos, convergence as _bench_convergence, \
-    load as _bench_load, resume as _bench_resume
+    load as _bench_load, provenance, resume as _bench_resume
 from hvd_zoadam.bench.lm import COMPUTE_RUNS
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
@@ -851,7 +851,7 @@ def main(argv=None) -> int:
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)
     else:
         report = cmd_model(args)
-    text = json.dumps(report, indent=1)
+    text = json.dumps({**report, "provenance": provenance(argv)}, indent=1)
     print(text)
     if args.json:
         Path(args.json).write_text(text)
