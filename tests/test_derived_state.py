@@ -12,18 +12,7 @@ import torch
 import hvd_zoadam
 from conftest import run_threads
 from hvd_zoadam.core import kinds
-
-KNOBS = dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=3, local_step_clipper=2)
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(20, 4)   # tokens 10..19 never occur: v stays 0 there
-        self.out = torch.nn.Linear(4, 3)
-
-    def forward(self, idx):
-        return self.out(self.emb(idx))
+from test_masks import KNOBS, TinyLM  # tokens 10..19 never occur: v stays 0 on those rows
 
 
 def make(transport, **kw):

@@ -9,17 +9,20 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, when the package runs from one
+
 
 def provenance(argv=None, root=None) -> dict:
-    """Where a report's figures came from, for the JSON of every benchmark: ``commit`` (the
-    git commit of the hvd_zoadam checkout that ran, ``+changes`` appended when its tracked
-    files differ from it; None where the package is not a git checkout of its own, such as an
-    installed wheel), ``command`` (``python -m hvd_zoadam.bench`` and ``argv``, by default
-    this process's arguments), ``cpu`` (the processor's model name, family, model, stepping
-    and cache size, None where /proc/cpuinfo has no model name), ``cores`` and the ``torch`` and Python versions. Ratios between two reports
-    compare only on one machine: ``cpu`` says whether they came from one. ``root``: the
-    checkout to read (default: the one this package is in)."""
-    root = Path(__file__).resolve().parents[2] if root is None else Path(root).resolve()
+    """Where a report's figures came from, for the JSON of every benchmark.
+
+    ``commit``: the git commit of the hvd_zoadam checkout that ran, ``+changes`` appended when
+    its tracked files differ from it; None where the package is not a git checkout of its own
+    (an installed wheel). ``command``: ``python -m hvd_zoadam.bench`` and ``argv`` (by default
+    this process's arguments). ``cpu``: the processor's model name, family, model, stepping and
+    cache size (None where /proc/cpuinfo has no model name); ``cores``; the ``torch`` and
+    Python versions. Ratios between two reports compare only on one machine: ``cpu`` says
+    whether they came from one. ``root``: the checkout to read (default: :data:`ROOT`)."""
+    root = ROOT if root is None else Path(root).resolve()
 
     def git(*args):
         try:

@@ -45,10 +45,8 @@ import time
 from pathlib import Path
 
 from hvd_zoadam.bench import breakdown as _breakdown_mod, chaos as _bench_chaos, convergence as _bench_convergence, \
-    load as _bench_load, provenance, resume as _bench_resume
+    load as _bench_load, provenance, resume as _bench_resume, ROOT
 from hvd_zoadam.bench.lm import COMPUTE_RUNS
-
-ROOT = Path(__file__).resolve().parents[2]  # the checkout (hvd_zoadam/bench/cli.py)
 RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
     "adam-fp16": "(b) Horovod AdamW fp16",
