@@ -561,6 +561,53 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, f, decay):
             anchor[i] = x
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a·b + c rounded once (LLVM's fma): the fused multiply-add torch's vectorised CPU
+    kernels use in ``lerp`` and ``add(alpha=)``. float32 in, float32 out."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+@njit(parallel=True, cache=True)
+def local_step(g, x, m, s, mask, x_out, m_out, c, decay, l2, w, step_size):
+    """A LOCAL step on one tensor in one pass (bitwise :func:`hvd_zoadam.native.reference.local_step`):
+    g clamped to ±s·c (c > 0), x·decay (decay != 1), g + l2·x (l2 != 0, fused as torch's
+    ``add(alpha=)``), m = lerp(m, g, w) in torch's fused form for both ranges of w, m·mask
+    (when ``mask`` is not empty), then x + (step_size·m)/s. Writes ``x_out`` and, when it is
+    not empty, ``m_out`` (either may be ``x`` / ``m`` themselves). All float32[n] but ``mask``
+    (bool or uint8[n] or [0]); scalars float32."""
+    n = g.shape[0]
+    small = abs(w) < np.float32(0.5)
+    coeff = w if small else w - np.float32(1.0)
+    clamp, decayed, has_l2 = c > np.float32(0.0), decay != np.float32(1.0), l2 != np.float32(0.0)
+    masked, write_m = mask.shape[0] > 0, m_out.shape[0] > 0
+    for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
+        lo = np.uint64(t * TASK_NUMEL)
+        for k in range(np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
+            i = lo + k
+            gi = g[i]
+            if clamp:
+                b = s[i] * c
+                gi = b if gi > b else gi
+                gi = -b if gi < -b else gi
+            xi = x[i] * decay if decayed else x[i]
+            if has_l2:
+                gi = _fma(xi, l2, gi)
+            mi = m[i]
+            mi = _fma(coeff, gi - mi, mi if small else gi)
+            if masked:
+                mi = mi * np.float32(mask[i])
+            if write_m:
+                m_out[i] = mi
+            x_out[i] = xi + (step_size * mi) / s[i]
+
+
 @njit(parallel=True, cache=True)
 def sync_prepare(param, anchor, decay, out):
     """SYNC steps 2-3, preconditioned: out = anchor*decay - param (anchor - param when decay is

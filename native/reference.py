@@ -165,3 +165,35 @@ def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_av
     :func:`sync_rebuild`. ``factor`` = (1 − β1^t)/Λ."""
     w = decompress(packed, all_server_scales, offsets, anchor.numel())
     sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product, mask, preconditioned)
+
+
+def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, decay: float = 1.0,
+               l2: float = 0.0, bound_factor: float | None = None, mask=None, param_out=None,
+               update_exp_avg: bool = True) -> None:
+    """A LOCAL (or COMPRESSED) step, algorithm.md §2: the one torch home of its formula, which
+    :func:`hvd_zoadam.core.kinds.momentum_step` calls and the CPU kernel matches bitwise.
+
+    In order, each operation torch's own: g ← clamp(g, −s·c, s·c) with c = ``bound_factor``
+    (when given; s·c rounded once); x ← x·``decay`` (AdamW's 1 − γλ, when != 1);
+    g ← g + ``l2``·x (Adam's L2 term, when != 0; ``add(alpha=)``); m ← ``m.lerp(g, weight)``
+    (weight = 1 − β1); m ← m·mask (when given); x ← ``x.addcdiv(m, s, value=step_size)``
+    (step_size = −γ/(1 − β1^t)).
+
+    ``grad`` (g), ``param`` (x), ``exp_avg`` (m), ``denom`` (s): float32[n]; ``mask``: bool or
+    uint8[n] or None. ``grad`` is not changed. x is written to ``param_out`` when given (else
+    in place), and m in place unless ``update_exp_avg`` is False.
+    """
+    if bound_factor is not None:
+        bound = torch.mul(denom, bound_factor)
+        grad = torch.minimum(grad, bound)
+        torch.maximum(grad, bound.neg_(), out=grad)
+    x = param if param_out is None else param_out.copy_(param)
+    m = exp_avg if update_exp_avg else exp_avg.clone()
+    if decay != 1.0:
+        x.mul_(decay)
+    if l2 != 0.0:
+        grad = grad.add(x, alpha=l2)
+    m.lerp_(grad, weight)
+    if mask is not None:
+        m.mul_(mask)
+    x.addcdiv_(m, denom, value=step_size)

@@ -352,6 +352,48 @@ def test_clamp_finite_clamps_finite_input_and_lets_non_finite_reach_the_scales(c
         torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_the_local_step_kernel_is_in_force_where_torch_fuses_multiply_adds():
+    """torch's AVX2, AVX-512 and NEON kernels fuse lerp's multiply-add; where they run, the
+    one-pass kernel must match them, or every LOCAL step silently takes the slower torch ops."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "SVE256", "NEON"):
+        pytest.skip(f"torch runs its {torch.backends.cpu.get_cpu_capability()} kernels here")
+    assert native._kernel_matches_torch()
+    assert native.local_step_fused(torch.zeros(3), torch.zeros(3))
+    assert not native.local_step_fused(torch.zeros(3, dtype=torch.float64))
+    assert not native.local_step_fused(torch.zeros(3, 2).t())
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([0, 1, 15, 17, 1000, 65_537, 140_001]), seed=st.integers(0, 1000),
+       weight=st.sampled_from([0.1, 0.5, 0.7, 0.0, 1.0]), step_size=st.sampled_from([-1e-3, -0.37, 0.0]),
+       decay=st.sampled_from([1.0, 0.99995]), l2=st.sampled_from([0.0, 0.05]),
+       bound_factor=st.sampled_from([None, 0.8, 11.2]), mask=st.sampled_from([None, "bool", "uint8"]),
+       out_of_place=st.booleans())
+def test_local_step_is_bitwise_the_torch_ops(n, seed, weight, step_size, decay, l2, bound_factor, mask,
+                                             out_of_place):
+    """native.local_step (one Numba pass) against reference.local_step (torch's ops), x and m bit
+    for bit (signed zeros included), in place and into param_out with m left as it is."""
+    gen = torch.Generator().manual_seed(seed)
+    g, x, m = (torch.randn(n, generator=gen) * 2 for _ in range(3))
+    g[::13], m[::7], x[::11] = -0.0, 0.0, -0.0
+    s = torch.rand(n, generator=gen) * 1e-2 + 1e-8
+    mk = None if mask is None else (torch.rand(n, generator=gen) > 0.3).to(getattr(torch, mask))
+    kw = dict(weight=weight, step_size=step_size, decay=decay, l2=l2, bound_factor=bound_factor, mask=mk,
+              update_exp_avg=not out_of_place)
+    runs = []
+    for step in (reference.local_step, native.local_step):
+        xs, ms, g0 = x.clone(), m.clone(), g.clone()
+        out = torch.full((n,), 7.0) if out_of_place else None
+        step(g0, xs, ms, s, param_out=out, **kw)
+        assert torch.equal(g0, g)   # the gradient is read, never written
+        runs.append((xs if out is None else out, ms, xs))
+    assert native.local_step_fused(g, x, m, s)  # the kernel ran (but at weight 1, see local_step)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+    if out_of_place:
+        assert torch.equal(runs[1][1], m) and torch.equal(runs[1][2], x)
+
+
 @pytest.mark.parametrize("decay", [1.0, 0.9999876])
 def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
     """native.sync_prepare / sync_rebuild (one pass each) against kinds.sync_prepare, then

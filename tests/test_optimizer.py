@@ -90,6 +90,35 @@ def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, paper_raw):
         assert torch.equal(a, b), (a - b).abs().max()
 
 
+def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_bits(monkeypatch):
+    """On the CPU with float32 parameters, LOCAL steps and SYNC steps' exchange inputs run the
+    one-pass kernel per tensor (no gathered copy of g or x), bitwise the oracle, and a step moves
+    each parameter's version counter as torch's in-place ops would."""
+    from hvd_zoadam import native
+    if not native.local_step_fused(torch.zeros(1)):
+        pytest.skip("torch's CPU kernels here round lerp unfused: the torch ops run")
+    calls = []
+    kernel = native.cpu.local_step
+    monkeypatch.setattr(native.cpu, "local_step", lambda *a: calls.append(a[5].ctypes.data == a[1].ctypes.data) or kernel(*a))
+    got = train_threads(2, 26, torch.optim.AdamW, 0.05)
+    want, _ = common.simulate_mlp(2, 26, KNOBS, torch.optim.AdamW, 0.05)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[r][0], want[r]))
+    assert True in calls and False in calls   # in place (LOCAL) and into the scratch (SYNC input)
+    model = common.mlp()
+    opt = make(model, solo())
+    for t in range(1, 40):
+        opt.zero_grad()
+        common.loss_fn(model, t, 0).backward()
+        before = [q._version for q in model.parameters()]
+        local = opt._next_kind()[1] is StepKind.LOCAL
+        opt.step()
+        if local:
+            assert all(q._version > v for q, v in zip(model.parameters(), before))
+            break
+    assert local
+
+
 def test_p1_compressed_steps_use_the_raw_gradient_and_send_nothing():
     """algorithm.md §7 #2: with P = 1 COMPRESSED steps update m with g itself (DeepSpeed skipped it)."""
     (params, opt, trace), = train_threads(1, 6, record=True, var_freeze_step=100, var_update_scaler=2)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hvd_zoadam import native
 from hvd_zoadam.core import kinds
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange
 from hvd_zoadam.core.layout import make_buckets, scale_segments
@@ -250,6 +251,19 @@ class Engine:
         torch.cat(grads, out=out[:bucket.numel])
         if raw and self.inv_grad_scale is not None:
             out[:bucket.numel].mul_(self.inv_grad_scale)
+
+    def own_grads(self, bucket: Bucket) -> list | None:
+        """The bucket's ``p.grad`` as they are, where a step may read them in place instead of
+        from :meth:`grads_into`'s gathered copy: float32 parameters (no master weights), each with a
+        dense gradient, no loss scale to take out, and every tensor one that
+        :func:`hvd_zoadam.native.local_step_fused` takes (float32, contiguous, on the CPU).
+        Else None."""
+        if bucket.master is not None or self.inv_grad_scale is not None:
+            return None
+        grads = [p.grad for p in bucket.params]
+        if any(g is None or g.is_sparse or g.shape != p.shape for g, p in zip(grads, bucket.params)):
+            return None
+        return grads if native.local_step_fused(*grads, *bucket.params) else None
 
     @staticmethod
     def scatter(flat: torch.Tensor, targets: list) -> None:

@@ -105,18 +105,22 @@ def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None, den
     param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h, out=denom_out), value=-h.lr / h.bias_correction1)
 
 
+def local_step_scalars(h: Hyper) -> dict:
+    """The scalars of :func:`reference.local_step` for ``h``: ``weight`` 1 − β1, ``step_size``
+    −γ/(1 − β1^t), ``decay`` 1 − γλ (AdamW; else 1) and ``l2`` λ (Adam's L2; else 0)."""
+    decoupled = h.weight_decay != 0 and h.decoupled
+    return {"weight": 1 - h.beta1, "step_size": -h.lr / h.bias_correction1,
+            "decay": 1 - h.lr * h.weight_decay if decoupled else 1.0,
+            "l2": h.weight_decay if not h.decoupled else 0.0}
+
+
 def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
     """COMPRESSED (with ĝ = C(g)) and LOCAL (with the local g): m ← β1·m + (1−β1)·g; x ← x − γ·m̂/s.
 
     v is not touched. ``denom`` is :func:`adam_denom` of the frozen or current v; ``mask`` as
-    in :func:`variance_step`.
+    in :func:`variance_step`. The ops are :func:`reference.local_step`'s.
     """
-    _decay(param, h)
-    grad = _l2(grad, param, h)
-    exp_avg.lerp_(grad, 1 - h.beta1)
-    if mask is not None:
-        exp_avg.mul_(mask)
-    param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
+    reference.local_step(grad, param, exp_avg, denom, mask=mask, **local_step_scalars(h))
 
 
 def local_momentum(param, grad, exp_avg, h: Hyper, out) -> None:

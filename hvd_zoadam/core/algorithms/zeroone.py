@@ -14,6 +14,8 @@ exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exch
 """
 from __future__ import annotations
 
+import torch
+
 from hvd_zoadam.core import kinds
 from hvd_zoadam import native
 from hvd_zoadam.core.schedule import Schedule, StepKind
@@ -140,12 +142,35 @@ class ZeroOneAdam:
             kinds.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
         return x
 
+    def local_update_in_place(self, engine, b, h: kinds.Hyper, denom, x_out=None) -> bool:
+        """:meth:`local_update` on bucket ``b`` tensor by tensor, each ``p.grad`` read where it
+        is and x written into ``p`` itself (or into ``x_out``, float32[n], x and m then left as
+        they are): one pass per tensor (:func:`native.local_step`), no gather and no scatter,
+        bitwise the same x and m. Returns False, changing nothing, where :meth:`local_update`
+        must take the bucket: no :meth:`Engine.own_grads`, or a gradient that is not finite."""
+        grads = engine.own_grads(b)
+        if grads is None or not native.all_finite_many(grads):
+            return False
+        bound = (kinds.normalized_gradient_bound(h, engine.transport.world_size)
+                 if self.precondition_compression else None)
+        mask, numels = engine.mask_of(b), [p.numel() for p in b.params]
+        pieces = [t.split(numels) if t is not None else [None] * len(numels)
+                  for t in (b.exp_avg, denom, mask, x_out)]
+        scalars = kinds.local_step_scalars(h)
+        for p, g, m, s, mk, out in zip(b.params, grads, *pieces):
+            native.local_step(g, p.detach(), m, s, bound_factor=bound, mask=mk, param_out=out,
+                              update_exp_avg=x_out is None, **scalars)
+        if x_out is None:
+            torch.autograd.graph.increment_version(b.params)  # as torch's in-place ops would
+        return True
+
     def local_step(self, ctx: StepContext, k: int) -> None:
         engine = ctx.engine
         for b in engine.buckets:
             h = engine.hyper(b, ctx.step, k)
-            x = self.local_update(engine, b, h, engine.denom(b, h))
-            engine.scatter(x, b.params)
+            denom = engine.denom(b, h)
+            if not self.local_update_in_place(engine, b, h, denom):
+                engine.scatter(self.local_update(engine, b, h, denom), b.params)
         advance_window(engine.param_groups)
 
     def sync_step(self, ctx: StepContext, k: int) -> None:
@@ -166,9 +191,11 @@ class ZeroOneAdam:
             return False
         h = engine.hyper(b, step, counters["exp_avg_sq_steps"])
         denom = engine.denom(b, h)
-        x = engine.load_x(b)
-        x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
-        x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
+        x = engine.x_buffer(b)
+        if b.master is not None or not self.local_update_in_place(engine, b, h, denom, x_out=x):
+            x = engine.load_x(b)
+            x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
+            x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
         fill_sync(b, x, denom, decay_product, buf, self.precondition_compression)
         return True
 
