@@ -330,7 +330,7 @@ def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, 
     flat = [t.detach().reshape(-1).numpy() for t in (grad, param, exp_avg, denom, out)]
     cpu.local_step(*flat[:4], _NO_ARRAY if mask is None else mask.reshape(-1).numpy(), flat[4],
                    flat[2] if update_exp_avg else _NO_ARRAY,
-                   f32(0.0 if bound_factor is None else bound_factor), f32(decay), f32(l2), f32(weight),
+                   f32(np.inf if bound_factor is None else bound_factor), f32(decay), f32(l2), f32(weight),
                    f32(step_size))
 
 

@@ -574,10 +574,23 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
-@njit(parallel=True, cache=True)
+@njit(inline="always")
+def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size):
+    """One element of :func:`local_step`: (x', m'). Selects, not branches, so that the loops
+    vectorise; x·1 and m·1 are x and m bit for bit."""
+    b = si * c
+    gi = b if gi > b else gi
+    gi = -b if gi < -b else gi
+    xi = xi * decay
+    gi = _fma(xi, l2, gi) if has_l2 else gi
+    mi = _fma(coeff, gi - mi, mi if small else gi) * mk
+    return xi + (step_size * mi) / si, mi
+
+
+@njit(parallel=True, cache=True, error_model="numpy")  # x/0 is ±inf or NaN, as in torch; and it vectorises
 def local_step(g, x, m, s, mask, x_out, m_out, c, decay, l2, w, step_size):
     """A LOCAL step on one tensor in one pass (bitwise :func:`hvd_zoadam.native.reference.local_step`):
-    g clamped to ±s·c (c > 0), x·decay (decay != 1), g + l2·x (l2 != 0, fused as torch's
+    g clamped to ±s·c (c = +inf: no clamp), x·decay, g + l2·x (l2 != 0, fused as torch's
     ``add(alpha=)``), m = lerp(m, g, w) in torch's fused form for both ranges of w, m·mask
     (when ``mask`` is not empty), then x + (step_size·m)/s. Writes ``x_out`` and, when it is
     not empty, ``m_out`` (either may be ``x`` / ``m`` themselves). All float32[n] but ``mask``
@@ -585,27 +598,27 @@ def local_step(g, x, m, s, mask, x_out, m_out, c, decay, l2, w, step_size):
     n = g.shape[0]
     small = abs(w) < np.float32(0.5)
     coeff = w if small else w - np.float32(1.0)
-    clamp, decayed, has_l2 = c > np.float32(0.0), decay != np.float32(1.0), l2 != np.float32(0.0)
-    masked, write_m = mask.shape[0] > 0, m_out.shape[0] > 0
+    has_l2, masked, write_m = l2 != np.float32(0.0), mask.shape[0] > 0, m_out.shape[0] > 0
+    one = np.float32(1.0)
     for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
         lo = np.uint64(t * TASK_NUMEL)
-        for k in range(np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
-            i = lo + k
-            gi = g[i]
-            if clamp:
-                b = s[i] * c
-                gi = b if gi > b else gi
-                gi = -b if gi < -b else gi
-            xi = x[i] * decay if decayed else x[i]
-            if has_l2:
-                gi = _fma(xi, l2, gi)
-            mi = m[i]
-            mi = _fma(coeff, gi - mi, mi if small else gi)
-            if masked:
-                mi = mi * np.float32(mask[i])
-            if write_m:
-                m_out[i] = mi
-            x_out[i] = xi + (step_size * mi) / s[i]
+        cnt = np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)
+        if masked and write_m:
+            for i in range(lo, lo + cnt):
+                x_out[i], m_out[i] = _local_one(g[i], x[i], m[i], s[i], np.float32(mask[i]), c, decay, l2,
+                                                coeff, small, has_l2, step_size)
+        elif masked:
+            for i in range(lo, lo + cnt):
+                x_out[i], _ = _local_one(g[i], x[i], m[i], s[i], np.float32(mask[i]), c, decay, l2,
+                                         coeff, small, has_l2, step_size)
+        elif write_m:
+            for i in range(lo, lo + cnt):
+                x_out[i], m_out[i] = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small,
+                                                has_l2, step_size)
+        else:
+            for i in range(lo, lo + cnt):
+                x_out[i], _ = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small, has_l2,
+                                         step_size)
 
 
 @njit(parallel=True, cache=True)
