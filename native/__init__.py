@@ -28,7 +28,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_step_fused", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -294,44 +294,65 @@ def _kernel_matches_torch() -> bool:
     g, x, m = (torch.randn(n, generator=gen) for _ in range(3))
     s = torch.rand(n, generator=gen) + 1e-3
     for weight, l2 in ((0.1, 0.0), (0.7, 0.01)):
-        want_x, want_m = x.clone(), m.clone()
+        want_x, want_m, got_x, got_m = x.clone(), m.clone(), x.clone(), m.clone()
         reference.local_step(g, want_x, want_m, s, weight=weight, step_size=-0.3, l2=l2, bound_factor=1.5)
-        got_x, got_m = torch.empty(n), torch.empty(n)
-        cpu.local_step(g.numpy(), x.numpy(), m.numpy(), s.numpy(), _NO_ARRAY, got_x.numpy(), got_m.numpy(),
-                       np.float32(1.5), np.float32(1.0), np.float32(l2), np.float32(weight), np.float32(-0.3))
+        cpu.local_step(g.numpy(), got_x.numpy(), got_m.numpy(), s.numpy(), _NO_ARRAY, *_scalars(
+            weight=weight, step_size=-0.3, l2=l2, bound_factor=1.5))
         if not (torch.equal(got_x, want_x) and torch.equal(got_m, want_m)):
             return False
     return True
 
 
 def local_step_fused(*tensors) -> bool:
-    """Whether :func:`local_step` takes these tensors in one Numba pass: float32, contiguous, on
-    the CPU, and the kernel matches torch's rounding here (else it runs the torch ops)."""
+    """Whether :func:`local_step` and :func:`local_window_update` take these tensors in one Numba
+    pass: float32, contiguous, on the CPU, and the kernel matches torch's rounding here (else
+    the torch ops run)."""
     return (all(t.dtype == torch.float32 for t in tensors) and _cpu_kernels(*tensors)
             and _kernel_matches_torch())
 
 
-def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, decay: float = 1.0,
-               l2: float = 0.0, bound_factor: float | None = None, mask=None, param_out=None,
-               update_exp_avg: bool = True) -> None:
-    """A LOCAL step on one tensor, bitwise :func:`reference.local_step` (same arguments): one
-    pass on the CPU (:func:`local_step_fused`) instead of five torch ops and a clamp, which
-    reads g where it is (``p.grad``) and writes x where it lives (the parameter). ``weight`` 1
-    (β1 = 0) takes the torch ops: torch's own vector and scalar loops then give zeros of
-    different signs, which no one pass can match."""
-    out = param if param_out is None else param_out
-    if (not local_step_fused(grad, param, exp_avg, denom, out) or (mask is not None and not _cpu_kernels(mask))
-            or (bound_factor is not None and not bound_factor > 0) or weight == 1.0):
-        reference.local_step(grad, param, exp_avg, denom, weight=weight, step_size=step_size, decay=decay,
-                             l2=l2, bound_factor=bound_factor, mask=mask, param_out=param_out,
-                             update_exp_avg=update_exp_avg)
-        return
+def _fusable(tensors, mask, step: dict) -> bool:
+    """:func:`local_step_fused`, and arguments the kernels take: ``weight`` 1 (β1 = 0) is left
+    to the torch ops, whose own vector and scalar loops then give zeros of different signs,
+    which no one pass can match."""
+    bound = step.get("bound_factor")
+    return (local_step_fused(*tensors) and (mask is None or _cpu_kernels(mask))
+            and (bound is None or bound > 0) and step["weight"] != 1.0)
+
+
+def _scalars(*, weight: float, step_size: float, decay: float = 1.0, l2: float = 0.0, bound_factor=None) -> tuple:
+    """The float32 scalars of the kernels, in their order: c (+inf: no clamp), decay, l2, w, step_size."""
     f32 = np.float32
-    flat = [t.detach().reshape(-1).numpy() for t in (grad, param, exp_avg, denom, out)]
-    cpu.local_step(*flat[:4], _NO_ARRAY if mask is None else mask.reshape(-1).numpy(), flat[4],
-                   flat[2] if update_exp_avg else _NO_ARRAY,
-                   f32(np.inf if bound_factor is None else bound_factor), f32(decay), f32(l2), f32(weight),
-                   f32(step_size))
+    return (f32(np.inf if bound_factor is None else bound_factor), f32(decay), f32(l2), f32(weight),
+            f32(step_size))
+
+
+def _flat(*tensors) -> list:
+    return [t.detach().reshape(-1).numpy() for t in tensors]
+
+
+def local_step(grad, param, exp_avg, denom, *, mask=None, **step) -> None:
+    """A LOCAL step on one tensor, in place, bitwise :func:`reference.local_step` (same
+    arguments): on the CPU one pass (:func:`local_step_fused`) instead of a clamp and five torch
+    ops, which reads g where it is (``p.grad``) and writes x where it lives (the parameter)."""
+    if not _fusable((grad, param, exp_avg, denom), mask, step):
+        reference.local_step(grad, param, exp_avg, denom, mask=mask, **step)
+        return
+    cpu.local_step(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],
+                   *_scalars(**step))
+
+
+def local_window_update(grad, param, exp_avg, denom, anchor, out, *, decay_product: float = 1.0, mask=None,
+                        **step) -> bool:
+    """SYNC steps 1–3 on one tensor, bitwise :func:`reference.local_window_update` (same
+    arguments and result): on the CPU one pass that writes only ``out``, and counts the
+    non-finite gradients on the way. Returns whether ``grad`` is all finite."""
+    if not _fusable((grad, param, exp_avg, denom, anchor, out), mask, step):
+        return reference.local_window_update(grad, param, exp_avg, denom, anchor, out,
+                                             decay_product=decay_product, mask=mask, **step)
+    bad = cpu.local_window_update(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],
+                                  *_flat(anchor, out), *_scalars(**step), np.float32(decay_product))
+    return bad == 0
 
 
 def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product: float = 1.0) -> None:

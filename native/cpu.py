@@ -576,7 +576,7 @@ def _fma(typingctx, a, b, c):
 
 @njit(inline="always")
 def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size):
-    """One element of :func:`local_step`: (x', m'). Selects, not branches, so that the loops
+    """One element of a LOCAL step: (x', m'). Selects, not branches, so that the loops
     vectorise; x·1 and m·1 are x and m bit for bit."""
     b = si * c
     gi = b if gi > b else gi
@@ -587,38 +587,56 @@ def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size
     return xi + (step_size * mi) / si, mi
 
 
-@njit(parallel=True, cache=True, error_model="numpy")  # x/0 is ±inf or NaN, as in torch; and it vectorises
-def local_step(g, x, m, s, mask, x_out, m_out, c, decay, l2, w, step_size):
-    """A LOCAL step on one tensor in one pass (bitwise :func:`hvd_zoadam.native.reference.local_step`):
-    g clamped to ±s·c (c = +inf: no clamp), x·decay, g + l2·x (l2 != 0, fused as torch's
-    ``add(alpha=)``), m = lerp(m, g, w) in torch's fused form for both ranges of w, m·mask
-    (when ``mask`` is not empty), then x + (step_size·m)/s. Writes ``x_out`` and, when it is
-    not empty, ``m_out`` (either may be ``x`` / ``m`` themselves). All float32[n] but ``mask``
-    (bool or uint8[n] or [0]); scalars float32."""
-    n = g.shape[0]
+@njit(inline="always")
+def _lerp_coeff(w):
+    """torch's two lerp formulas as one fma: (coeff, small), m' = fma(coeff, g − m, m if small else g)."""
     small = abs(w) < np.float32(0.5)
-    coeff = w if small else w - np.float32(1.0)
-    has_l2, masked, write_m = l2 != np.float32(0.0), mask.shape[0] > 0, m_out.shape[0] > 0
-    one = np.float32(1.0)
+    return (w if small else w - np.float32(1.0)), small
+
+
+@njit(parallel=True, cache=True, error_model="numpy")  # x/0 is ±inf or NaN, as in torch; and it vectorises
+def local_step(g, x, m, s, mask, c, decay, l2, w, step_size):
+    """A LOCAL step on one tensor in one pass, in place (bitwise
+    :func:`hvd_zoadam.native.reference.local_step`): g clamped to ±s·c (c = +inf: no clamp),
+    x·decay, g + l2·x (l2 != 0, fused as torch's ``add(alpha=)``), m = lerp(m, g, w) in torch's
+    fused form for both ranges of w, m·mask (when ``mask`` is not empty), then
+    x + (step_size·m)/s. All float32[n] but ``mask`` (bool or uint8[n] or [0]); scalars float32."""
+    n = g.shape[0]
+    coeff, small = _lerp_coeff(w)
+    has_l2, masked, one = l2 != np.float32(0.0), mask.shape[0] > 0, np.float32(1.0)
     for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
         lo = np.uint64(t * TASK_NUMEL)
-        cnt = np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)
-        if masked and write_m:
-            for i in range(lo, lo + cnt):
-                x_out[i], m_out[i] = _local_one(g[i], x[i], m[i], s[i], np.float32(mask[i]), c, decay, l2,
-                                                coeff, small, has_l2, step_size)
-        elif masked:
-            for i in range(lo, lo + cnt):
-                x_out[i], _ = _local_one(g[i], x[i], m[i], s[i], np.float32(mask[i]), c, decay, l2,
-                                         coeff, small, has_l2, step_size)
-        elif write_m:
-            for i in range(lo, lo + cnt):
-                x_out[i], m_out[i] = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small,
-                                                has_l2, step_size)
+        hi = lo + np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)
+        if masked:
+            for i in range(lo, hi):
+                x[i], m[i] = _local_one(g[i], x[i], m[i], s[i], np.float32(mask[i]), c, decay, l2, coeff, small,
+                                        has_l2, step_size)
         else:
-            for i in range(lo, lo + cnt):
-                x_out[i], _ = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small, has_l2,
-                                         step_size)
+            for i in range(lo, hi):
+                x[i], m[i] = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small, has_l2, step_size)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def local_window_update(g, x, m, s, mask, a, out, c, decay, l2, w, step_size, dp):
+    """SYNC steps 1–3 on one tensor in one pass, x and m left as they are: out = a·dp − x'
+    (a when dp is 1), x' the LOCAL step's new x (:func:`local_step`). Returns how many
+    elements of g are not finite (the caller discards ``out`` then). Bitwise
+    :func:`hvd_zoadam.native.reference.local_window_update`. Arrays as in :func:`local_step`,
+    ``a`` and ``out`` float32[n]."""
+    n = g.shape[0]
+    coeff, small = _lerp_coeff(w)
+    has_l2, masked, one = l2 != np.float32(0.0), mask.shape[0] > 0, np.float32(1.0)
+    decayed = dp != np.float32(1.0)
+    bad = 0
+    for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
+        lo = np.uint64(t * TASK_NUMEL)
+        hi = lo + np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)
+        for i in range(lo, hi):
+            mk = np.float32(mask[i]) if masked else one
+            xi, _ = _local_one(g[i], x[i], m[i], s[i], mk, c, decay, l2, coeff, small, has_l2, step_size)
+            out[i] = (a[i] * dp if decayed else a[i]) - xi
+            bad += not np.isfinite(g[i])
+    return bad
 
 
 @njit(parallel=True, cache=True)

@@ -168,10 +168,10 @@ def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_av
 
 
 def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, decay: float = 1.0,
-               l2: float = 0.0, bound_factor: float | None = None, mask=None, param_out=None,
-               update_exp_avg: bool = True) -> None:
-    """A LOCAL (or COMPRESSED) step, algorithm.md §2: the one torch home of its formula, which
-    :func:`hvd_zoadam.core.kinds.momentum_step` calls and the CPU kernel matches bitwise.
+               l2: float = 0.0, bound_factor: float | None = None, mask=None) -> None:
+    """A LOCAL (or COMPRESSED) step, algorithm.md §2, in place: the one torch home of its
+    formula, which :func:`hvd_zoadam.core.kinds.momentum_step` calls and the CPU kernel matches
+    bitwise.
 
     In order, each operation torch's own: g ← clamp(g, −s·c, s·c) with c = ``bound_factor``
     (when given; s·c rounded once); x ← x·``decay`` (AdamW's 1 − γλ, when != 1);
@@ -180,20 +180,29 @@ def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, 
     (step_size = −γ/(1 − β1^t)).
 
     ``grad`` (g), ``param`` (x), ``exp_avg`` (m), ``denom`` (s): float32[n]; ``mask``: bool or
-    uint8[n] or None. ``grad`` is not changed. x is written to ``param_out`` when given (else
-    in place), and m in place unless ``update_exp_avg`` is False.
+    uint8[n] or None. ``grad`` is not changed.
     """
     if bound_factor is not None:
         bound = torch.mul(denom, bound_factor)
         grad = torch.minimum(grad, bound)
         torch.maximum(grad, bound.neg_(), out=grad)
-    x = param if param_out is None else param_out.copy_(param)
-    m = exp_avg if update_exp_avg else exp_avg.clone()
     if decay != 1.0:
-        x.mul_(decay)
+        param.mul_(decay)
     if l2 != 0.0:
-        grad = grad.add(x, alpha=l2)
-    m.lerp_(grad, weight)
+        grad = grad.add(param, alpha=l2)
+    exp_avg.lerp_(grad, weight)
     if mask is not None:
-        m.mul_(mask)
-    x.addcdiv_(m, denom, value=step_size)
+        exp_avg.mul_(mask)
+    param.addcdiv_(exp_avg, denom, value=step_size)
+
+
+def local_window_update(grad, param, exp_avg, denom, anchor, out, decay_product: float = 1.0, **step) -> bool:
+    """SYNC steps 1–3 (algorithm.md §2) with x and m left as they are: x' from
+    :func:`local_step` (its keyword arguments ``step``) on copies, then the window's update in
+    parameter units, ``out = anchor·decay_product − x'`` (``anchor − x'`` when decay_product is
+    1). ``anchor``, ``out``: float32[n]. Returns whether every element of ``grad`` is finite
+    (``out`` is then of no use: the caller takes the step that skips)."""
+    x, m = param.clone(), exp_avg.clone()
+    local_step(grad, x, m, denom, **step)
+    torch.sub(anchor * decay_product if decay_product != 1.0 else anchor, x, out=out)
+    return bool(torch.isfinite(grad).all())

@@ -363,35 +363,60 @@ def test_the_local_step_kernel_is_in_force_where_torch_fuses_multiply_adds():
     assert not native.local_step_fused(torch.zeros(3, 2).t())
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.sampled_from([0, 1, 15, 17, 1000, 65_537, 140_001]), seed=st.integers(0, 1000),
-       weight=st.sampled_from([0.1, 0.5, 0.7, 0.0, 1.0]), step_size=st.sampled_from([-1e-3, -0.37, 0.0]),
-       decay=st.sampled_from([1.0, 0.99995]), l2=st.sampled_from([0.0, 0.05]),
-       bound_factor=st.sampled_from([None, 0.8, 11.2]), mask=st.sampled_from([None, "bool", "uint8"]),
-       out_of_place=st.booleans())
-def test_local_step_is_bitwise_the_torch_ops(n, seed, weight, step_size, decay, l2, bound_factor, mask,
-                                             out_of_place):
-    """native.local_step (one Numba pass) against reference.local_step (torch's ops), x and m bit
-    for bit (signed zeros included), in place and into param_out with m left as it is."""
+def _local_case(n, seed, mask):
     gen = torch.Generator().manual_seed(seed)
-    g, x, m = (torch.randn(n, generator=gen) * 2 for _ in range(3))
+    g, x, m, a = (torch.randn(n, generator=gen) * 2 for _ in range(4))
     g[::13], m[::7], x[::11] = -0.0, 0.0, -0.0
     s = torch.rand(n, generator=gen) * 1e-2 + 1e-8
     mk = None if mask is None else (torch.rand(n, generator=gen) > 0.3).to(getattr(torch, mask))
-    kw = dict(weight=weight, step_size=step_size, decay=decay, l2=l2, bound_factor=bound_factor, mask=mk,
-              update_exp_avg=not out_of_place)
+    return g, x, m, s, a, mk
+
+
+def _same_bits(a, b) -> bool:
+    return torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+
+
+LOCAL_CASES = dict(n=st.sampled_from([0, 1, 15, 17, 1000, 65_537, 140_001]), seed=st.integers(0, 1000),
+                   weight=st.sampled_from([0.1, 0.5, 0.7, 0.0, 1.0]), step_size=st.sampled_from([-1e-3, -0.37, 0.0]),
+                   decay=st.sampled_from([1.0, 0.99995]), l2=st.sampled_from([0.0, 0.05]),
+                   bound_factor=st.sampled_from([None, 0.8, 11.2]), mask=st.sampled_from([None, "bool", "uint8"]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(**LOCAL_CASES)
+def test_local_step_is_bitwise_the_torch_ops(n, seed, mask, **step):
+    """native.local_step (one Numba pass, in place) against reference.local_step (torch's ops):
+    x and m bit for bit, signed zeros included; g only read."""
+    g, x, m, s, _, mk = _local_case(n, seed, mask)
     runs = []
-    for step in (reference.local_step, native.local_step):
+    for local_step in (reference.local_step, native.local_step):
         xs, ms, g0 = x.clone(), m.clone(), g.clone()
-        out = torch.full((n,), 7.0) if out_of_place else None
-        step(g0, xs, ms, s, param_out=out, **kw)
-        assert torch.equal(g0, g)   # the gradient is read, never written
-        runs.append((xs if out is None else out, ms, xs))
-    assert native.local_step_fused(g, x, m, s)  # the kernel ran (but at weight 1, see local_step)
-    for a, b in zip(*runs):
-        assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
-    if out_of_place:
-        assert torch.equal(runs[1][1], m) and torch.equal(runs[1][2], x)
+        local_step(g0, xs, ms, s, mask=mk, **step)
+        assert torch.equal(g0, g)
+        runs.append((xs, ms))
+    assert native.local_step_fused(g, x, m, s)  # the kernel ran (but at weight 1, see native._fusable)
+    assert all(_same_bits(a, b) for a, b in zip(*runs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(**LOCAL_CASES, decay_product=st.sampled_from([1.0, 0.9993]), bad=st.sampled_from([None, "nan", "inf"]))
+def test_local_window_update_is_bitwise_the_torch_ops_and_finds_non_finite_gradients(n, seed, mask, decay_product,
+                                                                                     bad, **step):
+    """native.local_window_update against the reference: the window's update u = x_a·Π − x' bit
+    for bit, x, m and g untouched, and False exactly when g holds a NaN or an Inf."""
+    g, x, m, s, a, mk = _local_case(n, seed, mask)
+    if bad and n:
+        g[n // 2] = float(bad)
+    outs, flags = [], []
+    for window in (reference.local_window_update, native.local_window_update):
+        x0, m0, g0, out = x.clone(), m.clone(), g.clone(), torch.full((n,), 7.0)
+        flags.append(window(g0, x0, m0, s, a, out, decay_product=decay_product, mask=mk, **step))
+        assert torch.equal(g0.view(torch.int32), g.view(torch.int32))  # NaN included
+        assert torch.equal(x0, x) and torch.equal(m0, m)
+        outs.append(out)
+    assert flags == [not (bad and n)] * 2
+    if not (bad and n):
+        assert _same_bits(*outs)
 
 
 @pytest.mark.parametrize("decay", [1.0, 0.9999876])

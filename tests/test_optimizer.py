@@ -91,20 +91,21 @@ def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, paper_raw):
 
 
 def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_bits(monkeypatch):
-    """On the CPU with float32 parameters, LOCAL steps and SYNC steps' exchange inputs run the
-    one-pass kernel per tensor (no gathered copy of g or x), bitwise the oracle, and a step moves
-    each parameter's version counter as torch's in-place ops would."""
+    """On the CPU with float32 parameters, LOCAL steps and SYNC steps' exchange inputs run a
+    one-pass kernel per tensor (no gathered copy of g or x), bitwise the oracle, and a LOCAL
+    step moves each parameter's version counter as torch's in-place ops would."""
     from hvd_zoadam import native
     if not native.local_step_fused(torch.zeros(1)):
         pytest.skip("torch's CPU kernels here round lerp unfused: the torch ops run")
     calls = []
-    kernel = native.cpu.local_step
-    monkeypatch.setattr(native.cpu, "local_step", lambda *a: calls.append(a[5].ctypes.data == a[1].ctypes.data) or kernel(*a))
+    for name in ("local_step", "local_window_update"):
+        monkeypatch.setattr(native.cpu, name, lambda *a, name=name, kernel=getattr(native.cpu, name):
+                            calls.append(name) or kernel(*a))
     got = train_threads(2, 26, torch.optim.AdamW, 0.05)
     want, _ = common.simulate_mlp(2, 26, KNOBS, torch.optim.AdamW, 0.05)
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[r][0], want[r]))
-    assert True in calls and False in calls   # in place (LOCAL) and into the scratch (SYNC input)
+    assert set(calls) == {"local_step", "local_window_update"}   # LOCAL steps, SYNC steps' inputs
     model = common.mlp()
     opt = make(model, solo())
     for t in range(1, 40):

@@ -142,27 +142,35 @@ class ZeroOneAdam:
             kinds.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
         return x
 
-    def local_update_in_place(self, engine, b, h: kinds.Hyper, denom, x_out=None) -> bool:
+    def local_update_in_place(self, engine, b, h: kinds.Hyper, denom, window=None) -> bool:
         """:meth:`local_update` on bucket ``b`` tensor by tensor, each ``p.grad`` read where it
-        is and x written into ``p`` itself (or into ``x_out``, float32[n], x and m then left as
-        they are): one pass per tensor (:func:`native.local_step`), no gather and no scatter,
-        bitwise the same x and m. Returns False, changing nothing, where :meth:`local_update`
-        must take the bucket: no :meth:`Engine.own_grads`, or a gradient that is not finite."""
+        is and x written into ``p`` itself: one pass per tensor (:func:`native.local_step`), no
+        gather and no scatter, bitwise the same x and m. With ``window`` = (out float32[n],
+        decay product), x and m are left as they are and ``out`` receives the window's update
+        after the step instead, u = x_a·(decay product) − x' (SYNC steps 1–3, preconditioned;
+        :func:`native.local_window_update`). Returns False where :meth:`local_update` must take
+        the bucket: no :meth:`Engine.own_grads`, or a gradient that is not finite (nothing
+        changed then but ``out``)."""
         grads = engine.own_grads(b)
-        if grads is None or not native.all_finite_many(grads):
+        if grads is None or (window is None and not native.all_finite_many(grads)):
             return False
         bound = (kinds.normalized_gradient_bound(h, engine.transport.world_size)
                  if self.precondition_compression else None)
         mask, numels = engine.mask_of(b), [p.numel() for p in b.params]
+        out = window[0] if window else None
         pieces = [t.split(numels) if t is not None else [None] * len(numels)
-                  for t in (b.exp_avg, denom, mask, x_out)]
+                  for t in (b.exp_avg, denom, mask, b.anchor, out)]
         scalars = kinds.local_step_scalars(h)
-        for p, g, m, s, mk, out in zip(b.params, grads, *pieces):
-            native.local_step(g, p.detach(), m, s, bound_factor=bound, mask=mk, param_out=out,
-                              update_exp_avg=x_out is None, **scalars)
-        if x_out is None:
+        finite = True
+        for p, g, m, s, mk, a, o in zip(b.params, grads, *pieces):
+            if window is None:
+                native.local_step(g, p.detach(), m, s, bound_factor=bound, mask=mk, **scalars)
+            else:
+                finite &= native.local_window_update(g, p.detach(), m, s, a, o, decay_product=window[1],
+                                                     bound_factor=bound, mask=mk, **scalars)
+        if window is None:
             torch.autograd.graph.increment_version(b.params)  # as torch's in-place ops would
-        return True
+        return finite
 
     def local_step(self, ctx: StepContext, k: int) -> None:
         engine = ctx.engine
@@ -191,11 +199,13 @@ class ZeroOneAdam:
             return False
         h = engine.hyper(b, step, counters["exp_avg_sq_steps"])
         denom = engine.denom(b, h)
-        x = engine.x_buffer(b)
-        if b.master is not None or not self.local_update_in_place(engine, b, h, denom, x_out=x):
-            x = engine.load_x(b)
-            x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
-            x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
+        buf[b.numel:].zero_()
+        if self.precondition_compression and self.local_update_in_place(engine, b, h, denom,
+                                                                        window=(buf[:b.numel], decay_product)):
+            return True
+        x = engine.load_x(b)
+        x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
+        x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
         fill_sync(b, x, denom, decay_product, buf, self.precondition_compression)
         return True
 
