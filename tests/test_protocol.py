@@ -180,6 +180,31 @@ def test_non_finite_input_on_one_rank_raises_everywhere_and_keeps_buffers():
     assert run_threads(p, body) == [True, True]
 
 
+def test_finite_inputs_whose_average_overflows_skip_like_a_nan_and_keep_buffers():
+    """Two finite worker scales near float32's largest sum to infinity on the server: every rank
+    raises NonFiniteError and both error buffers keep their values (no NaN enters the server
+    error), as both oracles say."""
+    from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce
+    from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked
+    n, p, big = 4, 2, padded_numel(4, 2)
+    x = torch.tensor([3e38, -3e38, 3e38, 3e38])
+
+    def body(rank, transport):
+        we, se = torch.zeros(big), torch.zeros(big // p)
+        compressed_allreduce(torch.tensor([1.0, 0.5, -1.0, 2.0]), we, se, transport=transport, name="warm")
+        before = we.clone(), se.clone()
+        with pytest.raises(NonFiniteError):
+            compressed_allreduce(x, we, se, transport=transport, name="overflow")
+        return torch.equal(we, before[0]) and torch.equal(se, before[1])
+    assert run_threads(p, body) == [True, True]
+    we, se = [torch.zeros(big) for _ in range(p)], [torch.zeros(big // p) for _ in range(p)]
+    assert simulate_compressed_allreduce([x, x], we, se) is None
+    assert not any(e.any() for e in we + se)
+    we, se = torch.zeros(p, big), torch.zeros(p, big // p)
+    assert compressed_allreduce_stacked(torch.stack([x, x]), we, se) is None
+    assert not we.any() and not se.any()
+
+
 def test_empty_input_takes_part_in_no_collective():
     def body(rank, transport):
         out = compressed_allreduce(torch.empty(0), torch.zeros(0), torch.zeros(0), transport=transport)

@@ -301,7 +301,8 @@ class Exchange:
 
     def serve(self, signs_handle):
         """Round 1 in: check the steps and this chunk's worker scales, average the P chunks with
-        ``server_error`` and recompress (the old e_s kept until :meth:`commit`), start round 2."""
+        ``server_error`` and recompress (the old e_s kept until :meth:`commit`), check the new
+        server scales, start round 2."""
         p, s, r = self.transport.world_size, self.max_pieces, self.transport.rank
         recv = self.transport.wait(signs_handle).view(p, self._m1)
         lo, count = self.pieces[0][r], self.pieces[1][r]
@@ -325,6 +326,9 @@ class Exchange:
             native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
                                  self._server_packed, self._server_scales)
             self._reduced = True
+            # Finite worker scales can still sum past float32's range: an infinite server scale
+            # skips the step like a worker's would (set on the device: no host synchronisation)
+            head[0:1] = (~torch.isfinite(self._server_scales[lo:lo + count])).any().to(torch.int32)
             if s:
                 msg[12:12 + 4 * s].view(torch.float32)[:count] = self._server_scales[lo:lo + count]
             msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed

@@ -31,8 +31,8 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
             untouched).
 
     Returns:
-        float32[n], the common result; or None when a scale is non-finite (then no
-        buffer changes).
+        float32[n], the common result; or None when a worker or server scale is non-finite
+        (then no buffer changes).
     """
     world_size = len(inputs)
     n = inputs[0].numel()
@@ -49,6 +49,7 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
     scales = torch.stack([reference.worker_scales(y, e, offsets) for y, e in zip(ys, worker_errors)])
     if not torch.isfinite(scales).all():
         return None
+    before = [e.clone() for e in worker_errors], [e.clone() for e in server_errors]
     packed = [reference.worker_pack(y, e, offsets, s) for y, e, s in zip(ys, worker_errors, scales)]
     if server_exact:
         messages = [reference.decompress(pk, sc.expand(world_size, -1), offsets, n) for pk, sc in zip(packed, scales)]
@@ -59,6 +60,10 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
         pk, sc = reference.server_reduce(recv, scales, server_errors[r], offsets, r * chunk)
         server_packed.append(pk)
         server_scales.append(sc)
+    if not torch.isfinite(torch.stack(server_scales)).all():  # finite worker scales summed past float32
+        for now, then in zip(worker_errors + server_errors, before[0] + before[1]):
+            now.copy_(then)
+        return None
     return reference.decompress(torch.cat(server_packed), torch.stack(server_scales), offsets, n)
 
 

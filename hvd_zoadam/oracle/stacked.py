@@ -49,8 +49,8 @@ def compressed_allreduce_stacked(inputs, worker_errors, server_errors, numels=No
             the exact average of the R compressed messages, ``server_errors`` untouched.
 
     Returns:
-        float32[n], the common result; or None when a worker scale is non-finite (then no
-        buffer changes).
+        float32[n], the common result; or None when a worker or server scale is non-finite
+        (then no buffer changes).
     """
     rows, n = inputs.shape
     offsets = segment_offsets(numels if numels is not None else [n])
@@ -64,15 +64,19 @@ def compressed_allreduce_stacked(inputs, worker_errors, server_errors, numels=No
     if not torch.isfinite(scales).all():
         return None
     messages = _per_element(scales, lengths, big_n) * torch.where(z >= 0, 1.0, -1.0)
-    worker_errors.copy_(z - messages)
     if server_exact:
+        worker_errors.copy_(z - messages)
         return row_sum(messages[:, :n]) / rows
     c = row_sum(messages, start=torch.zeros(big_n)) / torch.full((big_n,), rows, dtype=torch.float32) \
         + server_errors.reshape(-1)
     chunk = big_n // rows
     cuts = sorted(set(offsets) | {q * chunk for q in range(rows) if q * chunk < n})
     pieces = _lengths(cuts)  # each segment cut at the chunks' ends: one server scale per piece
-    server_out = _per_element(_scales(c[None, :n], pieces)[0], pieces, big_n) * torch.where(c >= 0, 1.0, -1.0)
+    server_scales = _scales(c[None, :n], pieces)[0]
+    if not torch.isfinite(server_scales).all():  # finite worker scales summed past float32
+        return None
+    worker_errors.copy_(z - messages)
+    server_out = _per_element(server_scales, pieces, big_n) * torch.where(c >= 0, 1.0, -1.0)
     server_errors.reshape(-1).copy_(c - server_out)
     return server_out[:n].clone()
 
