@@ -291,8 +291,9 @@ class _SyncStep:
     denominator (:meth:`~hvd_zoadam.core.engine.Engine.denom`; on the CPU the engine keeps every bucket's);
     ``denom_for`` and ``x_for`` say whose. A denominator the scratch no longer holds is
     recomputed where it is used (bitwise the same each time: v is frozen). With one bucket
-    its x stays in the scratch until the rebuild, so the local update's x is written to the
-    parameters only if the bucket is not rebuilt.
+    a local update on the scratch leaves its x there until the rebuild, so that x is
+    written to the parameters only if the bucket is not rebuilt (the update in place,
+    :meth:`ZeroOneAdam.local_update_in_place`, has written them already).
 
     A bucket whose exchange the backward hooks started (``ctx.started_early``) has its local
     update taken only if the exchange is skipped: otherwise the rebuild, which reads neither x
@@ -331,8 +332,14 @@ class _SyncStep:
                 engine.scatter(self.x(b), b.params)
 
     def local_update(self, b, scatter: bool) -> None:
-        """SYNC step 1 on bucket ``b`` (:meth:`ZeroOneAdam.local_update`); its x stays in the scratch."""
-        x = self.algorithm.local_update(self.engine, b, self.engine.hyper(b, self.ctx.step, self.k), self.denom(b))
+        """SYNC step 1 on bucket ``b``: in the parameters themselves where
+        :meth:`ZeroOneAdam.local_update_in_place` takes it, else :meth:`ZeroOneAdam.local_update`,
+        whose x stays in the scratch."""
+        h = self.engine.hyper(b, self.ctx.step, self.k)
+        if self.algorithm.local_update_in_place(self.engine, b, h, self.denom(b)):
+            self.x_for = None  # the scratch no longer holds b's x, if it did
+            return
+        x = self.algorithm.local_update(self.engine, b, h, self.denom(b))
         if scatter:
             self.engine.scatter(x, b.params)
         self.x_for = b
