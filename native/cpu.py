@@ -631,11 +631,17 @@ def local_window_update(g, x, m, s, mask, a, out, c, decay, l2, w, step_size, dp
     for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
         lo = np.uint64(t * TASK_NUMEL)
         hi = lo + np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)
-        for i in range(lo, hi):
-            mk = np.float32(mask[i]) if masked else one
-            xi, _ = _local_one(g[i], x[i], m[i], s[i], mk, c, decay, l2, coeff, small, has_l2, step_size)
-            out[i] = (a[i] * dp if decayed else a[i]) - xi
-            bad += not np.isfinite(g[i])
+        if masked:  # two loops: a load of mask[i] under a condition would keep LLVM from vectorising
+            for i in range(lo, hi):
+                xi, _ = _local_one(g[i], x[i], m[i], s[i], np.float32(mask[i]), c, decay, l2, coeff, small, has_l2,
+                                   step_size)
+                out[i] = (a[i] * dp if decayed else a[i]) - xi
+                bad += not np.isfinite(g[i])
+        else:
+            for i in range(lo, hi):
+                xi, _ = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small, has_l2, step_size)
+                out[i] = (a[i] * dp if decayed else a[i]) - xi
+                bad += not np.isfinite(g[i])
     return bad
 
 
