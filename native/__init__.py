@@ -28,7 +28,7 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused", "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
@@ -311,13 +311,21 @@ def local_step_fused(*tensors) -> bool:
             and _kernel_matches_torch())
 
 
+def local_step_fuses(*, weight: float, step_size: float = 0.0, decay: float = 1.0, l2: float = 0.0,
+                     bound_factor=None) -> bool:
+    """Whether the kernels reproduce torch's ops for these scalars (:func:`reference.local_step`'s
+    arguments). Left to the torch ops: a ``weight`` that is 1 in float32 (β1 = 0 or nearly),
+    where torch's own vector loop and scalar tail give zeros of different signs, which no one
+    pass can match; an ``l2`` that float32 rounds to 0 (torch still adds 0·x); a bound that is not
+    positive."""
+    f32 = np.float32
+    return (f32(weight) != f32(1.0) and (l2 == 0.0 or f32(l2) != f32(0.0))
+            and (bound_factor is None or bound_factor > 0))
+
+
 def _fusable(tensors, mask, step: dict) -> bool:
-    """:func:`local_step_fused`, and arguments the kernels take: ``weight`` 1 (β1 = 0) is left
-    to the torch ops, whose own vector and scalar loops then give zeros of different signs,
-    which no one pass can match."""
-    bound = step.get("bound_factor")
-    return (local_step_fused(*tensors) and (mask is None or _cpu_kernels(mask))
-            and (bound is None or bound > 0) and step["weight"] != 1.0)
+    """:func:`local_step_fused` for the tensors and :func:`local_step_fuses` for the scalars."""
+    return local_step_fused(*tensors) and (mask is None or _cpu_kernels(mask)) and local_step_fuses(**step)
 
 
 def _scalars(*, weight: float, step_size: float, decay: float = 1.0, l2: float = 0.0, bound_factor=None) -> tuple:

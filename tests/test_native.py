@@ -363,6 +363,15 @@ def test_the_local_step_kernel_is_in_force_where_torch_fuses_multiply_adds():
     assert not native.local_step_fused(torch.zeros(3, 2).t())
 
 
+def test_scalars_the_kernels_leave_to_torch():
+    """A weight of 1 in float32 and an L2 factor that float32 rounds to 0 take the torch ops."""
+    assert native.local_step_fuses(weight=0.1, step_size=-1e-3, l2=0.01, bound_factor=2.0)
+    assert not native.local_step_fuses(weight=1.0)
+    assert not native.local_step_fuses(weight=1 - 1e-9)      # β1 = 1e-9: 1 − β1 is 1 in float32
+    assert not native.local_step_fuses(weight=0.1, l2=1e-46)  # torch still adds 0·x
+    assert not native.local_step_fuses(weight=0.1, bound_factor=0.0)
+
+
 def _local_case(n, seed, mask):
     gen = torch.Generator().manual_seed(seed)
     g, x, m, a = (torch.randn(n, generator=gen) * 2 for _ in range(4))

@@ -120,6 +120,37 @@ def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_b
     assert local
 
 
+@pytest.mark.parametrize("beta1", [0.0, 1e-9])
+def test_a_beta1_the_kernels_leave_to_torch_takes_the_gathered_path(beta1, monkeypatch):
+    """β1 = 0 (or so small that 1 − β1 is 1 in float32) is left to the torch ops: the kernels
+    never run, LOCAL and SYNC steps on 2-D parameters work, and the parameters are those of a
+    run where the kernels are off altogether."""
+    from hvd_zoadam import native
+
+    def run():
+        def body(rank, transport):
+            model = common.mlp()
+            opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR, betas=(beta1, 0.999)),
+                                                  named_parameters=model.named_parameters(), transport=transport, **KNOBS)
+            seen = set()
+            for t in range(1, 27):
+                opt.zero_grad()
+                common.loss_fn(model, t, rank).backward()
+                seen.add(opt._next_kind()[1])
+                opt.step()
+            return [q.detach().clone() for q in model.parameters()], seen
+        return run_threads(2, body)
+    calls = []
+    for name in ("local_step", "local_window_update"):
+        monkeypatch.setattr(native.cpu, name, lambda *a, name=name: calls.append(name))
+    got = run()
+    assert calls == [] and {StepKind.LOCAL, StepKind.SYNC} <= got[0][1]
+    monkeypatch.setattr(native, "_kernel_matches_torch", lambda: False)
+    want = run()
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[r][0], want[r][0]))
+
+
 def test_p1_compressed_steps_use_the_raw_gradient_and_send_nothing():
     """algorithm.md §7 #2: with P = 1 COMPRESSED steps update m with g itself (DeepSpeed skipped it)."""
     (params, opt, trace), = train_threads(1, 6, record=True, var_freeze_step=100, var_update_scaler=2)

@@ -149,25 +149,26 @@ class ZeroOneAdam:
         decay product), x and m are left as they are and ``out`` receives the window's update
         after the step instead, u = x_a·(decay product) − x' (SYNC steps 1–3, preconditioned;
         :func:`native.local_window_update`). Returns False where :meth:`local_update` must take
-        the bucket: no :meth:`Engine.own_grads`, or a gradient that is not finite (nothing
-        changed then but ``out``)."""
-        grads = engine.own_grads(b)
-        if grads is None or (window is None and not native.all_finite_many(grads)):
-            return False
+        the bucket: no :meth:`Engine.own_grads`, settings the kernels leave to torch
+        (:func:`native.local_step_fuses`), or a gradient that is not finite (nothing changed
+        then but ``out``)."""
         bound = (kinds.normalized_gradient_bound(h, engine.transport.world_size)
                  if self.precondition_compression else None)
+        scalars = {**kinds.local_step_scalars(h), "bound_factor": bound}
+        grads = engine.own_grads(b) if native.local_step_fuses(**scalars) else None
+        if grads is None or (window is None and not native.all_finite_many(grads)):
+            return False
         mask, numels = engine.mask_of(b), [p.numel() for p in b.params]
         out = window[0] if window else None
         pieces = [t.split(numels) if t is not None else [None] * len(numels)
                   for t in (b.exp_avg, denom, mask, b.anchor, out)]
-        scalars = kinds.local_step_scalars(h)
         finite = True
         for p, g, m, s, mk, a, o in zip(b.params, grads, *pieces):
+            g, x = g.reshape(-1), p.detach().reshape(-1)   # views: both are contiguous
             if window is None:
-                native.local_step(g, p.detach(), m, s, bound_factor=bound, mask=mk, **scalars)
+                native.local_step(g, x, m, s, mask=mk, **scalars)
             else:
-                finite &= native.local_window_update(g, p.detach(), m, s, a, o, decay_product=window[1],
-                                                     bound_factor=bound, mask=mk, **scalars)
+                finite &= native.local_window_update(g, x, m, s, a, o, decay_product=window[1], mask=mk, **scalars)
         if window is None:
             torch.autograd.graph.increment_version(b.params)  # as torch's in-place ops would
         return finite
