@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from conftest import BIN, ROOT, run_cmd
+from conftest import BIN, ROOT, run_cmd, run_job
 
 from hvd_zoadam.bench.cli import DEFAULT_RUNS, _horovod_env_flags, _rate_report, step_time
 from hvd_zoadam.bench.lm import cores_used, thread_cpu_seconds
@@ -298,3 +298,24 @@ def test_bench_load_counts_the_formulas_bytes_and_reports_memory(block):
         assert r["ms"] > 0 and r["horovod_adamw_foreach_ms"] > 0
     assert rep["kinds"]["sync"]["bytes_per_step"] > 0 and rep["kinds"]["local"]["bytes_per_step"] == 0
     assert rep["memory"]["memory_bytes"]["total"] > 0 and rep["memory"]["rss_growth_bytes"] >= 0
+
+
+def test_bench_lm_compression_fp16_halves_only_the_variance_steps_bytes(tmp_path):
+    """``--compression fp16`` hands hvd.Compression.fp16 to the zoadam run: its VARIANCE steps
+    send half the counted bytes of their averages, every other kind the same; the torchrun run refuses it."""
+    argv = ["-m", "hvd_zoadam.bench.lm", "--run", "zoadam", "--steps", "8", "--warmup", "3", "--n-layer", "1",
+            "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+            "--var-update-scaler", "1", "--local-step-clipper", "2"]
+    reports = {}
+    for comp in ("none", "fp16"):
+        out = tmp_path / f"{comp}.json"
+        run_job("mpi", 2, [*argv, "--compression", comp, "--out", str(out)])
+        reports[comp] = json.loads(out.read_text())
+    fp32, fp16 = reports["none"]["bytes_sent_by_kind"], reports["fp16"]["bytes_sent_by_kind"]
+    assert reports["fp16"]["config"]["compression"] == "fp16" and reports["fp16"]["kinds"]["variance"] == 2
+    # the averages halve; the 4-byte "gradients changed?" flags (at most one a step) do not
+    assert fp32["variance"] > 1000 and 0 <= 2 * fp16["variance"] - fp32["variance"] <= 4 * 2
+    assert {k: fp16[k] for k in ("compressed", "local", "sync")} == {k: fp32[k] for k in ("compressed", "local", "sync")}
+    proc = run_cmd([sys.executable, "-m", "hvd_zoadam.bench.lm", "--run", "zoadam-torchrun", "--compression", "fp16",
+                    "--out", str(tmp_path / "t.json")], check=False)
+    assert proc.returncode != 0 and "the zoadam-torchrun run has no Horovod" in proc.stderr

@@ -178,6 +178,9 @@ def parse(argv=None):
                     help="0/1 Adam's var_update_weighting (zoadam run)")
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
+    ap.add_argument("--compression", choices=("none", "fp16"), default="none",
+                    help="hvd.Compression of the zoadam run's full-precision VARIANCE steps (Horovod's argument; "
+                         "fp16 halves their bytes; the other runs ignore it)")
     ap.add_argument("--bucket-cap-mb", type=float, default=1.5,
                     help="bucket_cap_mb of the zoadam and onebit runs: 1.5 gives the main job 9 buckets, whose "
                          "SYNC exchanges pipeline (one bucket's rounds on the wire while the next one's kernels "
@@ -190,7 +193,11 @@ def parse(argv=None):
     ap.add_argument("--breakdown", action="store_true",
                     help="time each step's parts (hvd_zoadam.bench.breakdown); every rank writes --out.rank<r>.breakdown")
     ap.add_argument("--out", required=True)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.compression != "none" and args.run == "zoadam-torchrun":
+        ap.error("--compression is Horovod's argument and the zoadam-torchrun run has no Horovod; "
+                 "leave it out of that run")
+    return args
 
 
 @torch.no_grad()
@@ -262,11 +269,12 @@ def main(argv=None):
         import hvd_zoadam
         import hvd_zoadam.distributed as zd
         factory = hvd_zoadam.DistributedOptimizer if args.run == "zoadam" else zd.DistributedOptimizer
+        extra = {"compression": hvd.Compression.fp16} if args.compression == "fp16" else {}
         opt = factory(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)),
                       named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
                       var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                       local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
-                      var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb)
+                      var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb, **extra)
     elif args.run in ("adam", "adam-fp16", "onebit"):
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
         if args.run == "onebit":
@@ -351,12 +359,13 @@ def main(argv=None):
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
                                                                                         "local", "sync")},
+                   bytes_sent_by_kind={k: stats[k]["bytes_sent"] for k in ("variance", "compressed", "local", "sync")},
                    timed_seconds_by_kind=kind_s,
                    config={"var_freeze_step": args.warmup, "var_update_scaler": args.var_update_scaler,
                            "local_step_policy": args.local_step_policy, "local_step_scaler": args.local_step_scaler,
                            "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256,
                            "var_update_weighting": args.var_update_weighting,
-                           "bucket_cap_mb": args.bucket_cap_mb})
+                           "bucket_cap_mb": args.bucket_cap_mb, "compression": args.compression})
     if not args.run.startswith(("zoadam", "onebit")):
         out["adamw"] = args.adamw
     if args.run.startswith("adam"):
