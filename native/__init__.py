@@ -189,23 +189,30 @@ def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None)
     return worker_pack(y, worker_error, plan, scales, packed, error_out=eo)
 
 
-def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, scales):
+def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, scales, error_out=None):
     """Average the P received chunks with their scales, add ``server_error``, recompress.
 
     ``recv``: uint8[P, C/8]; ``all_worker_scales``: float32[P, nseg]; writes
     ``packed`` uint8[C/8] and ``scales`` float32[nseg] (per piece of this chunk),
-    and sets ``server_error <- c - scale*sign`` (algorithm.md §3, server side). Returns
-    ``(packed, scales)``.
+    and sets the new server error ``c - scale*sign`` (algorithm.md §3, server side) into
+    ``error_out`` (float32[C], a buffer other than ``server_error``, which is then only read)
+    or, when it is None, into ``server_error`` itself. Returns ``(packed, scales)``.
     """
-    if _on_cuda(recv, all_worker_scales, server_error, packed, scales):
+    eo = server_error if error_out is None else error_out
+    if _on_cuda(recv, all_worker_scales, server_error, eo, packed, scales):
         from . import cuda as _cuda
-        return _cuda.server_reduce(recv, all_worker_scales, server_error, plan, packed, scales)
-    se, pk = server_error.numpy(), packed.numpy()
-    cpu.server_average(recv.numpy(), all_worker_scales.numpy(), se, plan.server_tasks, plan.chunk_start,
-                       plan.server_partial)
+        if eo is not server_error:  # the CUDA kernels work in place
+            eo.copy_(server_error)
+        return _cuda.server_reduce(recv, all_worker_scales, eo, plan, packed, scales)
+    if eo is not server_error:  # the chunk's padding is not written: keep it as server_error's
+        real = max(0, min(plan.chunk_numel, plan.numel - plan.chunk_start))
+        eo[real:].copy_(server_error[real:])
+    pk, e = packed.numpy(), eo.numpy()
+    cpu.server_average(recv.numpy(), all_worker_scales.numpy(), server_error.numpy(), e, plan.server_tasks,
+                       plan.chunk_start, plan.server_partial)
     cpu.reduce_scales(plan.server_tasks, plan.server_partial, plan.offsets, plan.chunk_start,
                       plan.chunk_start + plan.chunk_numel, scales.numpy())
-    cpu.pack_update(se, False, se, se, plan.chunk_start, plan.offsets, scales.numpy(), pk)
+    cpu.pack_update(e, False, e, e, plan.chunk_start, plan.offsets, scales.numpy(), pk)
     return packed, scales
 
 

@@ -357,9 +357,10 @@ def _merge_shared_bytes(y, e, numel, part_idx, part_val, packed):
 # -- server side --------------------------------------------------------------------------
 
 @njit(parallel=True, cache=True)
-def server_average(recv, wscales, server_error, tasks, chunk_start, partial):
-    """server_error <- c = (sum_p wscale_p*sign_p) / P + server_error on the real elements of
-    the chunk (algorithm.md §3), and partial[t] = float64 sum of c**2 over task t (for the scales).
+def server_average(recv, wscales, server_error, out, tasks, chunk_start, partial):
+    """out <- c = (sum_p wscale_p*sign_p) / P + server_error on the real elements of the chunk
+    (algorithm.md §3; ``out`` may be ``server_error``, else it is only read), and partial[t] =
+    float64 sum of c**2 over task t (for the scales).
 
     No fastmath here: the sum over p must stay in rank order, bitwise as the reference. Per
     task, rank p's bits are added into a task-local float32 accumulator a whole byte at a time
@@ -395,7 +396,7 @@ def server_average(recv, wscales, server_error, tasks, chunk_start, partial):
         ua = np.uint64(a)
         for k in range(np.uint64(cnt)):
             c = acc[k] / div + server_error[ua + k]
-            server_error[ua + k] = c
+            out[ua + k] = c
             c64 = np.float64(c)
             acc2 += c64 * c64
         partial[t] = acc2

@@ -81,6 +81,28 @@ def test_server_kernels_match_the_reference(case, rank_seed):
 
 
 @settings(max_examples=40, deadline=None)
+@given(case=cases(), rank_seed=st.integers(0, 7))
+def test_server_reduce_into_a_second_buffer_equals_in_place_and_leaves_server_error_alone(case, rank_seed):
+    """``error_out``: the new server error goes there, bitwise the in-place result (padding
+    included, whatever error_out held), and ``server_error`` is only read."""
+    numels, p, y, _, gen = case
+    offsets = segment_offsets(numels)
+    big = y.numel()
+    chunk = big // p
+    rank = rank_seed % p
+    recv, wscales, se, _ = server_inputs(gen, numels, big, p, rank)
+    plan = native.Plan(offsets, big, p, rank)
+    in_place, before = se.clone(), se.clone()
+    want = native.server_reduce(recv, wscales, in_place, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
+                                torch.zeros(len(numels)))
+    out = torch.full_like(se, float("nan"))
+    got = native.server_reduce(recv, wscales, se, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
+                               torch.zeros(len(numels)), error_out=out)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(out, in_place) and torch.equal(se, before)
+
+
+@settings(max_examples=40, deadline=None)
 @given(case=cases())
 def test_decompress_matches_the_reference(case):
     numels, p, y, _, gen = case

@@ -155,7 +155,8 @@ class Exchange:
 
     Attributes:
         worker_error: float32[padded_numel], e_w.
-        server_error: float32[padded_numel // P], e_s.
+        server_error: float32[padded_numel // P], e_s; at P > 1, like :attr:`input`, a different
+            tensor after each exchange that is not skipped (two buffers swap roles).
         step: the optimizer step the next exchange announces (the owner sets it; the ranks must
             agree on it).
         pieces: ``(lo, count)`` of :func:`chunk_pieces`; S = ``max(count)`` scales per chunk travel.
@@ -214,15 +215,15 @@ class Exchange:
         self._worker_scales = torch.zeros(p, self.nseg, dtype=torch.float32, device=device)   # this chunk's columns
         self._server_scales = torch.zeros(self.nseg, dtype=torch.float32, device=device)
         self._server_packed = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self._server_backup = None  # e_s before this exchange's server side (made on first use)
-        self._reduced = False       # this exchange's server side changed server_error
+        self._server_next = None    # where the server side puts the new e_s, read from server_error
+        self._reduced = False       # this exchange's server side wrote _server_next
 
     def memory_bytes(self) -> dict:
         """Bytes held: the two error buffers, and the reusable scratch (the input buffer at
         P > 1, packed bytes, the messages, the staged server error)."""
         errors = (self.worker_error.numel() + self.server_error.numel()) * 4
         scratch = self._packed.numel() + self._send.numel() + self._server_msg.numel() + self._server_packed.numel()
-        for buf in (self.input, self._next, self._server_backup):
+        for buf in (self.input, self._next, self._server_next):
             scratch += 0 if buf is None else buf.numel() * 4
         return {"error_buffers": errors, "scratch": scratch}
 
@@ -301,7 +302,7 @@ class Exchange:
 
     def serve(self, signs_handle):
         """Round 1 in: check the steps and this chunk's worker scales, average the P chunks with
-        ``server_error`` and recompress (the old e_s kept until :meth:`commit`), check the new
+        ``server_error`` and recompress (the new e_s staged until :meth:`commit`), check the new
         server scales, start round 2."""
         p, s, r = self.transport.world_size, self.max_pieces, self.transport.rank
         recv = self.transport.wait(signs_handle).view(p, self._m1)
@@ -319,12 +320,11 @@ class Exchange:
         else:
             head[0] = 0
             self._worker_scales[:, lo:lo + count] = scales
-            if self._server_backup is None:
-                self._server_backup = torch.empty_like(self.server_error)
-            self._server_backup.copy_(self.server_error)
+            if self._server_next is None:
+                self._server_next = torch.zeros_like(self.server_error)
             packed = recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].contiguous()
             native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
-                                 self._server_packed, self._server_scales)
+                                 self._server_packed, self._server_scales, error_out=self._server_next)
             self._reduced = True
             # Finite worker scales can still sum past float32's range: an infinite server scale
             # skips the step like a worker's would (set on the device: no host synchronisation)
@@ -366,20 +366,21 @@ class Exchange:
         return 0, int(head[0, 1]), int(head[0, 2]), (packed, server_scales[:, :self.nseg].contiguous())
 
     def commit(self) -> None:
-        """The exchange is not skipped: the staged error becomes ``worker_error`` (the two
-        buffers swap roles) and the server side's new ``server_error`` stays."""
+        """The exchange is not skipped: the staged errors become ``worker_error`` and
+        ``server_error`` (each pair of buffers swaps roles)."""
         staged, old = self._staged, self.worker_error
         self.worker_error, self._staged = staged, None
         if staged is self.input:
             self.input = old
         else:
             self._next = old
+        if self._reduced:
+            self.server_error, self._server_next = self._server_next, self.server_error
         self._reduced = False
 
     def rollback(self) -> None:
-        """The exchange is skipped: ``worker_error`` and ``server_error`` as before it."""
-        if self._reduced:
-            self.server_error.copy_(self._server_backup)
+        """The exchange is skipped: ``worker_error`` and ``server_error`` as before it (the
+        staged errors are dropped)."""
         self._staged, self._reduced = None, False
 
     def finish_gather(self, server_handle, out: torch.Tensor):
@@ -678,7 +679,9 @@ def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, serve
                              "some rank; no error buffer was changed")
     out = ex.finish(y, scales, torch.empty(n, dtype=torch.float32, device=tensor.device))
     if ex.worker_error.data_ptr() != worker_error.data_ptr():
-        worker_error.view(-1).copy_(ex.worker_error)  # the caller's buffer is updated in place
+        worker_error.view(-1).copy_(ex.worker_error)  # the caller's buffers are updated in place
+    if ex.server_error.data_ptr() != server_error.data_ptr():
+        server_error.view(-1).copy_(ex.server_error)
     return out.view(tensor.shape).to(tensor.dtype)
 
 
