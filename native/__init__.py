@@ -407,8 +407,20 @@ def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp
     w <- w·mask; x_a <- x_a·decay_product; preconditioned: x = x_a − w, m = (w·s)·factor;
     otherwise x = x_a − w/s, m = w·factor; then x_a <- x. ``factor`` is (1 − β1^t)/Λ.
 
-    ``anchor``, ``param`` (x), ``exp_avg``, ``denom`` (s): float32[n]; ``mask``: bool[n] or None.
+    ``anchor``, ``exp_avg``, ``denom`` (s): float32[n]; ``mask``: bool[n] or None. ``param`` (x):
+    float32[n], or the bucket's parameters themselves, a list of tensors in bucket order whose
+    numels sum to n, each starting at a segment boundary of ``plan``: float32, contiguous and on
+    the CPU, they are written in place by the kernel (no flat x and no scatter); otherwise
+    through a flat float32[n] copied into them.
+
+    Raises:
+        ValueError: a list whose numels do not sum to n, or a parameter that starts inside a
+            segment.
     """
+    if isinstance(param, (list, tuple)):
+        return _decompress_sync_into(packed, all_server_scales, plan, param, anchor=anchor, exp_avg=exp_avg,
+                                     denom=denom, factor=factor, decay_product=decay_product, mask=mask,
+                                     preconditioned=preconditioned)
     tensors = [packed, all_server_scales, anchor, param, exp_avg, denom] + ([mask] if mask is not None else [])
     if _on_cuda(*tensors):
         from . import cuda as _cuda
@@ -419,6 +431,31 @@ def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp
                             anchor.numpy(), param.numpy(), exp_avg.numpy(), denom.numpy(),
                             _NO_MASK if mask is None else mask.numpy(), float(decay_product), float(factor),
                             bool(preconditioned))
+
+
+def _decompress_sync_into(packed, all_server_scales, plan: Plan, params, **kw) -> None:
+    """:func:`decompress_sync` with ``param`` a list of tensors (see there)."""
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != plan.numel:
+        raise ValueError(f"decompress_sync: the parameters hold {sum(sizes)} elements, the plan {plan.numel}")
+    starts = np.cumsum([0] + sizes[:-1], dtype=np.int64)
+    at = np.searchsorted(plan.offsets, starts)
+    if (at >= len(plan.offsets)).any() or (plan.offsets[np.minimum(at, len(plan.offsets) - 1)] != starts).any():
+        raise ValueError("decompress_sync: every parameter must start at a segment boundary of the plan")
+    tensors = [packed, all_server_scales, kw["anchor"], kw["exp_avg"], kw["denom"], *params] \
+        + ([kw["mask"]] if kw["mask"] is not None else [])
+    if _on_cuda(*tensors) or not (all(p.dtype == torch.float32 for p in params) and _cpu_kernels(*params)):
+        flat = torch.empty(plan.numel, dtype=torch.float32, device=kw["anchor"].device)
+        decompress_sync(packed, all_server_scales, plan, param=flat, **kw)
+        torch._foreach_copy_([p.detach() for p in params], [v.view_as(p) for v, p in zip(flat.split(sizes), params)])
+        return
+    if plan.numel:
+        mask = kw["mask"]
+        cpu.decompress_sync(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
+                            kw["anchor"].numpy(), [(p.detach().view(-1).numpy(), int(o)) for p, o in zip(params, starts)],
+                            kw["exp_avg"].numpy(), kw["denom"].numpy(),
+                            _NO_MASK if mask is None else mask.numpy(), float(kw["decay_product"]),
+                            float(kw["factor"]), bool(kw["preconditioned"]))
 
 
 _warm = set()

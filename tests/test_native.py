@@ -311,6 +311,44 @@ def test_decompress_sync_is_bitwise_the_optimizer_path(case, preconditioned, dec
     assert torch.equal(x2, x1) and torch.equal(m2, m1) and torch.equal(a2, a1)
 
 
+@settings(max_examples=30, deadline=None)
+@given(case=cases(), preconditioned=st.booleans(), decay=st.sampled_from([1.0, 0.999]), masked=st.booleans(),
+       group=st.integers(1, 3), strided=st.booleans())
+def test_decompress_sync_into_the_parameters_equals_the_flat_x(case, preconditioned, decay, masked, group, strided):
+    """``param`` as the bucket's parameters (each starting at a segment boundary): x goes into
+    them in place, bitwise the flat x, with the same m and anchor; a parameter that is not
+    contiguous takes the flat x and a copy, with the same bits."""
+    numels, p, y, _, gen = case
+    offsets = segment_offsets(numels)
+    n = sum(numels)
+    plan = native.Plan(offsets, y.numel(), p, 0)
+    packed = torch.randint(0, 256, (y.numel() // 8,), generator=gen, dtype=torch.uint8)
+    sscales = torch.rand(p, len(numels), generator=gen)
+    denom = torch.rand(n, generator=gen) + 1e-3
+    mask = torch.rand(n, generator=gen) > 0.3 if masked else None
+    kw = dict(factor=0.37, decay_product=decay, mask=mask, preconditioned=preconditioned)
+    a1, x1, m1 = y[:n].clone(), torch.empty(n), torch.empty(n)
+    native.decompress_sync(packed, sscales, plan, anchor=a1, param=x1, exp_avg=m1, denom=denom, **kw)
+    sizes = [sum(numels[i:i + group]) for i in range(0, len(numels), group)]
+    params = [torch.full((k,), float("nan")) for k in sizes]
+    if strided:
+        params[0] = torch.full((sizes[0], 2), float("nan"))[:, 0]
+    a2, m2 = y[:n].clone(), torch.empty(n)
+    native.decompress_sync(packed, sscales, plan, anchor=a2, param=params, exp_avg=m2, denom=denom, **kw)
+    assert torch.equal(torch.cat([q.reshape(-1) for q in params]), x1)
+    assert torch.equal(m2, m1) and torch.equal(a2, a1)
+
+
+def test_decompress_sync_into_parameters_checks_their_layout():
+    plan = native.Plan(segment_offsets([8, 8]), 16, 2, 0)
+    kw = dict(anchor=torch.zeros(16), exp_avg=torch.zeros(16), denom=torch.ones(16), factor=1.0)
+    packed, sscales = torch.zeros(2, dtype=torch.uint8), torch.ones(2, 2)
+    with pytest.raises(ValueError, match="hold 8 elements, the plan 16"):
+        native.decompress_sync(packed, sscales, plan, param=[torch.zeros(8)], **kw)
+    with pytest.raises(ValueError, match="segment boundary"):
+        native.decompress_sync(packed, sscales, plan, param=[torch.zeros(4), torch.zeros(12)], **kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_cuda_kernels_arithmetic_decode_is_exact_for_every_bit_pattern(dtype):
     """The CUDA kernels decode half inputs arithmetically (cpu._f16_to_f32 / _bf16_to_f32); the

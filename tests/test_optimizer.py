@@ -120,6 +120,48 @@ def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_b
     assert local
 
 
+def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits(monkeypatch):
+    """On the CPU with float32 parameters a SYNC step's rebuild writes x straight into the
+    parameters (no gathered x, no scatter), bitwise the oracle, and moves each parameter's
+    version counter as torch's in-place ops would."""
+    import threading
+    from hvd_zoadam import native
+    from hvd_zoadam.core.engine import Engine
+    if not native.local_step_fused(torch.zeros(1)):
+        pytest.skip("torch's CPU kernels here round lerp unfused: the SYNC step's local update gathers x")
+    seen = []
+    monkeypatch.setattr(native.cpu, "decompress_sync", lambda *a, kernel=native.cpu.decompress_sync:
+                        seen.append(type(a[5]).__name__) or kernel(*a))
+    got = train_threads(2, 26, torch.optim.AdamW, 0.05)
+    want, _ = common.simulate_mlp(2, 26, KNOBS, torch.optim.AdamW, 0.05)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[r][0], want[r]))
+    assert seen and set(seen) == {"list"}
+
+    scatters, scatter = {}, Engine.scatter
+    monkeypatch.setattr(Engine, "scatter", staticmethod(
+        lambda flat, targets: scatters.setdefault(threading.get_ident(), []).append(len(targets))
+        or scatter(flat, targets)))
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = make(model, transport)
+        mine, syncs = scatters.setdefault(threading.get_ident(), []), []
+        for t in range(1, 40):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            before = [q._version for q in model.parameters()]
+            sync = opt._next_kind()[1] is StepKind.SYNC
+            mine.clear()
+            opt.step()
+            if sync:
+                syncs.append((all(q._version > v for q, v in zip(model.parameters(), before)), len(mine)))
+        return syncs
+
+    for syncs in run_threads(2, body):
+        assert syncs and all(bumped and not scattered for bumped, scattered in syncs), syncs
+
+
 @pytest.mark.parametrize("beta1", [0.0, 1e-9])
 def test_a_beta1_the_kernels_leave_to_torch_takes_the_gathered_path(beta1, monkeypatch):
     """β1 = 0 (or so small that 1 − β1 is 1 in float32) is left to the torch ops: the kernels

@@ -265,6 +265,15 @@ class Engine:
             return None
         return grads if native.local_step_fused(*grads, *bucket.params) else None
 
+    def own_params(self, bucket: Bucket) -> list | None:
+        """The bucket's parameters as they are, where a step may write x into them in place
+        instead of into the gathered scratch and a :meth:`scatter`: float32 (no master weights),
+        contiguous, on the CPU. Else None."""
+        if bucket.master is not None:
+            return None
+        ok = all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in bucket.params)
+        return bucket.params if ok else None
+
     @staticmethod
     def scatter(flat: torch.Tensor, targets: list) -> None:
         """Copy consecutive pieces of ``flat`` into ``targets`` (cast to each target's dtype)."""

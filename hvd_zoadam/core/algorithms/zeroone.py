@@ -383,19 +383,27 @@ class _SyncStep:
         self._finish(b, x, mask)
 
     def consume_packed(self, b, packed, server_scales) -> None:
-        """The same as :meth:`consume`, fused: w is unpacked straight into x, m and the anchor."""
+        """The same as :meth:`consume`, fused: w is unpacked straight into m, the anchor and x,
+        which is the parameters themselves where :meth:`Engine.own_params` gives them (no
+        gathered x, no scatter), else the scratch."""
         group = self.engine.param_groups[b.group_index]
-        x = self.engine.x_buffer(b)
-        self.x_for = None  # overwritten with the new x below
+        params = self.engine.own_params(b)
+        x = self.engine.x_buffer(b) if params is None else None
+        self.x_for = None  # the scratch does not hold the new x, or is overwritten with it below
         mask = self.engine.mask_of(b)
-        native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x,
-                               exp_avg=b.exp_avg, denom=self.denom(b), factor=self._factor(b),
-                               decay_product=group["decay_product"], mask=mask,
+        native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor,
+                               param=params if x is None else x, exp_avg=b.exp_avg, denom=self.denom(b),
+                               factor=self._factor(b), decay_product=group["decay_product"], mask=mask,
                                preconditioned=self.preconditioned)
+        if x is None:
+            torch.autograd.graph.increment_version(params)  # as torch's in-place ops would
         self._finish(b, x, mask)
 
     def _finish(self, b, x, mask) -> None:
+        """After the rebuild: the mask on the error buffers, and x (unless None: the
+        parameters hold it already) scattered into the parameters."""
         if mask is not None:
             b.exchange.mask_errors(mask)
-        self.engine.scatter(x, b.params)
+        if x is not None:
+            self.engine.scatter(x, b.params)
         self.rebuilt.add(id(b))
