@@ -238,7 +238,7 @@ def test_bench_kernels_refuses_cuda_without_a_gpu():
 def test_bench_kernels_reports_each_kernel_against_copy():
     rep = bench("kernels", "--numel", "65536", "--repeats", "1")
     assert set(rep["kernels"]) == {"worker_compress", "server_reduce", "decompress", "decompress_momentum",
-                                   "decompress_sync"}
+                                   "decompress_sync", "decompress_sync_params", "decompress_sync_scatter"}
     assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # the CPU kernels' speed targets are reported
     assert isinstance(rep["kernels"]["decompress_momentum"]["met"], bool)
     assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())
@@ -247,7 +247,9 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     assert rep["provenance"]["commit"] in (head, head + "+changes")  # the tests run in a checkout
     # memory traffic per element against the copy's 8 bytes, by hand for n = 65536, P = 2 (no padding):
     # decompress_sync reads 1/8 (bits) + 4 (x_a) + 4 (s) and writes 4 (x) + 4 (m) + 4 (x_a) for its 4 counted
-    ratios = {"decompress_sync": (1 / 8 + 20) / 8, "decompress_momentum": (1 / 8 + 8) / 8,
+    # (and with the copy into the parameters, 8 more: x read, the parameters written)
+    ratios = {"decompress_sync": (1 / 8 + 20) / 8, "decompress_sync_params": (1 / 8 + 20) / 8,
+              "decompress_sync_scatter": (1 / 8 + 28) / 8, "decompress_momentum": (1 / 8 + 8) / 8,
               "worker_compress": (4 + 8 + 1 / 8) / 8, "server_reduce": (2 / 8 + 8 + 1 / 8) / 8}
     for name, ratio in ratios.items():
         k = rep["kernels"][name]

@@ -544,6 +544,10 @@ def cmd_kernels(args) -> dict:
     sscales = z(nseg)
     out, m, anchor, param = z(n), z(n), z(n), z(n)
     denom = torch.rand(n, generator=gen).to(device) + 1e-3
+    nblocks = nseg
+    cuts = sorted({min(n, round(i * nblocks / max(1, args.params)) * args.block) for i in range(args.params + 1)})
+    sizes = [b - a for a, b in zip(cuts, cuts[1:])]            # parameters start at scale-block boundaries
+    params = list(z(n).split(sizes))
     src = torch.randn(big, generator=gen).to(device)
     dst = torch.empty_like(src)  # the bandwidth reference: src -> dst, float32, the bucket's size
 
@@ -575,6 +579,15 @@ def cmd_kernels(args) -> dict:
         "decompress_sync": (lambda: native.decompress_sync(packed, wscales, plan, anchor=anchor, param=param,
                                                            exp_avg=m, denom=denom, factor=0.5), 4 * n,
                             big // 8 + 20 * n),                               # bits, x_a, s in; x, m, x_a out
+        # a SYNC step's rebuild of --params parameters: straight into them (float32 on the CPU),
+        # or into the flat x and then copied into them (the path of fp16 parameters and CUDA)
+        "decompress_sync_params": (lambda: native.decompress_sync(packed, wscales, plan, anchor=anchor,
+                                                                  param=params, exp_avg=m, denom=denom, factor=0.5),
+                                   4 * n, big // 8 + 20 * n),
+        "decompress_sync_scatter": (lambda: (native.decompress_sync(packed, wscales, plan, anchor=anchor, param=param,
+                                                                    exp_avg=m, denom=denom, factor=0.5),
+                                             torch._foreach_copy_(params, list(param.split(sizes)))),
+                                    4 * n, big // 8 + 28 * n),                # and x read, the parameters written
     }
     res = {"benchmark": "kernels", "device": device, "numel": n, "dtype": args.dtype, "world_size": p,
            "scale_block_numel": args.block, "threads": numba.get_num_threads() if device == "cpu" else None,
@@ -798,6 +811,9 @@ def main(argv=None) -> int:
     ke.add_argument("--world-size", type=int, default=2)
     ke.add_argument("--block", type=int, default=2048, help="elements per scale")
     ke.add_argument("--repeats", type=int, default=5)
+    ke.add_argument("--params", type=int, default=54,
+                    help="parameters the SYNC rebuild writes into (decompress_sync_params / _scatter): the "
+                         "bench network model's 54")
     ke.add_argument("--json")
     mo = sub.add_parser("model", help="alpha-beta step-time model: validation and BERT-Large projection")
     mo.add_argument("--measured", help="a `bench network` JSON to validate against")
