@@ -123,7 +123,8 @@ def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_b
 def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits(monkeypatch):
     """On the CPU with float32 parameters a SYNC step's rebuild writes x straight into the
     parameters (no gathered x, no scatter), bitwise the oracle, and moves each parameter's
-    version counter as torch's in-place ops would."""
+    version counter as torch's in-place ops would (one tensor a call, as torch before 2.5
+    requires)."""
     import threading
     from hvd_zoadam import native
     from hvd_zoadam.core.engine import Engine
@@ -132,6 +133,11 @@ def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits
     seen = []
     monkeypatch.setattr(native.cpu, "decompress_sync", lambda *a, kernel=native.cpu.decompress_sync:
                         seen.append(type(a[5]).__name__) or kernel(*a))
+
+    def increment_version(t, bump=torch.autograd.graph.increment_version):  # torch < 2.5 takes one tensor
+        assert isinstance(t, torch.Tensor), f"increment_version got {type(t).__name__}"
+        bump(t)
+    monkeypatch.setattr(torch.autograd.graph, "increment_version", increment_version)
     got = train_threads(2, 26, torch.optim.AdamW, 0.05)
     want, _ = common.simulate_mlp(2, 26, KNOBS, torch.optim.AdamW, 0.05)
     for r in range(2):

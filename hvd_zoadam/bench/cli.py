@@ -521,6 +521,8 @@ def cmd_kernels(args) -> dict:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
+    if args.params < 1:
+        raise SystemExit(f"--params must be at least 1, got {args.params}")
     if args.threads:
         numba.set_num_threads(args.threads)
     torch.set_num_threads(numba.get_num_threads())

@@ -170,7 +170,7 @@ class ZeroOneAdam:
             else:
                 finite &= native.local_window_update(g, x, m, s, a, o, decay_product=window[1], mask=mk, **scalars)
         if window is None:
-            torch.autograd.graph.increment_version(b.params)  # as torch's in-place ops would
+            _bump_versions(b.params)
         return finite
 
     def local_step(self, ctx: StepContext, k: int) -> None:
@@ -282,6 +282,13 @@ def fill_sync(b, x, denom, decay_product: float, buf, preconditioned: bool) -> N
         native.sync_prepare(x, b.anchor, decay_product, buf[:b.numel])
     else:
         kinds.sync_prepare(x, b.anchor, denom, decay_product, buf[:b.numel], False)
+
+
+def _bump_versions(params) -> None:
+    """Move each parameter's autograd version counter, as torch's in-place ops would after a
+    kernel wrote into it (one tensor a call: torch before 2.5 takes no list)."""
+    for p in params:
+        torch.autograd.graph.increment_version(p)
 
 
 class _SyncStep:
@@ -396,7 +403,7 @@ class _SyncStep:
                                factor=self._factor(b), decay_product=group["decay_product"], mask=mask,
                                preconditioned=self.preconditioned)
         if x is None:
-            torch.autograd.graph.increment_version(params)  # as torch's in-place ops would
+            _bump_versions(params)
         self._finish(b, x, mask)
 
     def _finish(self, b, x, mask) -> None:
