@@ -57,17 +57,22 @@ def test_worker_kernels_match_the_reference(case):
     assert e[sum(numels):].eq(0).all()
 
 
-@settings(max_examples=60, deadline=None)
-@given(case=cases(), rank_seed=st.integers(0, 7))
-def test_server_kernels_match_the_reference(case, rank_seed):
+def _server_case(case, rank_seed):
+    """A server side's inputs from a bucket case: (numels, offsets, chunk, rank, plan, recv,
+    worker scales, server_error, its real elements)."""
     numels, p, y, _, gen = case
     offsets = segment_offsets(numels)
     big = y.numel()
-    chunk = big // p
     rank = rank_seed % p
     recv, wscales, se, real = server_inputs(gen, numels, big, p, rank)
+    return numels, offsets, big // p, rank, native.Plan(offsets, big, p, rank), recv, wscales, se, real
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases(), rank_seed=st.integers(0, 7))
+def test_server_kernels_match_the_reference(case, rank_seed):
+    numels, offsets, chunk, rank, plan, recv, wscales, se, real = _server_case(case, rank_seed)
     se_ref = se.clone()
-    plan = native.Plan(offsets, big, p, rank)
     want_packed, want_scales = reference.server_reduce(recv, wscales, se_ref, offsets, rank * chunk)
     got_packed, got_scales = native.server_reduce(recv, wscales, se, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
                                                   torch.zeros(len(numels)))
@@ -85,13 +90,7 @@ def test_server_kernels_match_the_reference(case, rank_seed):
 def test_server_reduce_into_a_second_buffer_equals_in_place_and_leaves_server_error_alone(case, rank_seed):
     """``error_out``: the new server error goes there, bitwise the in-place result (padding
     included, whatever error_out held), and ``server_error`` is only read."""
-    numels, p, y, _, gen = case
-    offsets = segment_offsets(numels)
-    big = y.numel()
-    chunk = big // p
-    rank = rank_seed % p
-    recv, wscales, se, _ = server_inputs(gen, numels, big, p, rank)
-    plan = native.Plan(offsets, big, p, rank)
+    numels, _, chunk, _, plan, recv, wscales, se, _ = _server_case(case, rank_seed)
     in_place, before = se.clone(), se.clone()
     want = native.server_reduce(recv, wscales, in_place, plan, torch.zeros(chunk // 8, dtype=torch.uint8),
                                 torch.zeros(len(numels)))

@@ -546,8 +546,7 @@ def cmd_kernels(args) -> dict:
     sscales = z(nseg)
     out, m, anchor, param = z(n), z(n), z(n), z(n)
     denom = torch.rand(n, generator=gen).to(device) + 1e-3
-    nblocks = nseg
-    cuts = sorted({min(n, round(i * nblocks / max(1, args.params)) * args.block) for i in range(args.params + 1)})
+    cuts = sorted({min(n, round(i * nseg / args.params) * args.block) for i in range(args.params + 1)})
     sizes = [b - a for a, b in zip(cuts, cuts[1:])]            # parameters start at scale-block boundaries
     params = list(z(n).split(sizes))
     src = torch.randn(big, generator=gen).to(device)
