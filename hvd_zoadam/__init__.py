@@ -1,11 +1,11 @@
 """hvd_zoadam: 0/1 Adam (Lu et al., arXiv 2202.06009) and 1-bit Adam (Tang et al., arXiv
-2102.02888) as drop-in Horovod DistributedOptimizers, and over ``torch.distributed`` without
-Horovod (:mod:`hvd_zoadam.distributed`).
+2102.02888) as drop-in Horovod DistributedOptimizers, and without Horovod over
+``torch.distributed`` (:mod:`hvd_zoadam.distributed`) or mpi4py (:mod:`hvd_zoadam.mpi`).
 
 Public names: :func:`DistributedOptimizer`, :func:`OnebitAdam`, :func:`compressed_allreduce`,
 :func:`padded_numel`, :class:`Schedule`, :class:`StepKind`, :class:`NonFiniteError`, and the
-modules :mod:`hvd_zoadam.checkpoint` (``save``, ``load``) and :mod:`hvd_zoadam.distributed`
-(the torch.distributed front end).
+modules :mod:`hvd_zoadam.checkpoint` (``save``, ``load``), :mod:`hvd_zoadam.distributed`
+(the torch.distributed front end) and :mod:`hvd_zoadam.mpi` (the mpi4py front end).
 """
 import sys
 
@@ -16,9 +16,10 @@ from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, OnebitAdamOptim
 from hvd_zoadam.comm.protocol import NonFiniteError, StepMismatchError, compressed_allreduce
 from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.comm.transport import CollectiveTimeoutError
-from hvd_zoadam.shell import torch_distributed as distributed
+from hvd_zoadam.shell import mpi, torch_distributed as distributed
 
 sys.modules[__name__ + ".distributed"] = distributed  # import hvd_zoadam.distributed as zd
+sys.modules[__name__ + ".mpi"] = mpi  # import hvd_zoadam.mpi as zm
 
 __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "OnebitAdam", "DistributedAdamOptimizer", "ZeroOneAdamOptimizer",

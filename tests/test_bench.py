@@ -28,12 +28,12 @@ def bench(*args, timeout_s=600):
 def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
     rep = bench("network", "--rate", "1gbit", "--steps", "8", "--warmup", "3", "--skip", "1", "--png", str(png),
-                "--eval-every", "4", "--breakdown", "--runs", ",".join([*DEFAULT_RUNS, "compute-horovod"]),
+                "--eval-every", "4", "--breakdown", "--runs", ",".join([*DEFAULT_RUNS, "compute-horovod", "zoadam-mpi"]),
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
-    assert set(runs) == {"adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd",
-                         "compute", "compute-horovod", "onebit", "diloco-h8", "diloco-h32"}
+    assert set(runs) == {"adam", "adam-fp16", "zoadam", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd",
+                         "ddp-localsgd", "compute", "compute-horovod", "onebit", "diloco-h8", "diloco-h32"}
     for name, r in runs.items():
         assert r["ok"], (name, r.get("error"))
         assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["world_size"] == 2
@@ -58,6 +58,13 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     assert ratios["zoadam_torchrun_final_loss_minus_zoadam"] == 0.0
     assert ratios["zoadam_torchrun_steps_per_s_vs_zoadam"] == t["steps_per_s"] / z["steps_per_s"]
     assert ratios["zoadam_torchrun_steps_per_s_vs_compute"] == t["steps_per_s"] / runs["compute"]["steps_per_s"]
+    # the same 0/1 Adam over mpi4py alone (no Horovod): the same steps, bytes and, at P = 2, losses
+    m = runs["zoadam-mpi"]
+    assert m["transport"] == "mpi (mpi4py)" and m["world_size"] == 2
+    assert m["kinds"] == z["kinds"] and m["bytes_sent_counted"] == z["bytes_sent_counted"]
+    assert ratios["zoadam_mpi_val_curve_equal_to_zoadam"] is True and ratios["zoadam_mpi_final_loss_equal_to_zoadam"]
+    assert ratios["zoadam_mpi_steps_per_s_vs_compute"] == m["steps_per_s"] / runs["compute"]["steps_per_s"]
+    assert set(m["breakdown"]["sync"]["wire_by_op"]) == {"alltoall", "allgather", "flag"}
     # 1-bit Adam: full precision for 20 % of the 8 steps (two), then a compressed step every step
     o = runs["onebit"]
     assert o["config"]["freeze_step"] == 2 and o["kinds"] == {"variance": 2, "compressed": 6}
@@ -93,7 +100,7 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     # --breakdown: the timed steps (after --skip 1) of each kind, split into parts
     assert {k: v["steps"] for k, v in z["breakdown"].items()} == {
         "variance": 1, "compressed": 1, **{k: n for k, n in z["kinds"].items() if k in ("local", "sync") and n}}
-    for name in ("zoadam", "zoadam-torchrun", "adam", "compute", "ddp-powersgd", "onebit"):
+    for name in ("zoadam", "zoadam-torchrun", "zoadam-mpi", "adam", "compute", "ddp-powersgd", "onebit"):
         for kind, parts in runs[name]["breakdown"].items():
             assert parts["waiting_for_slowest"] >= 0 and parts["wire"] >= -1e-9, (name, kind)
             assert sum(parts[k] for k in parts if k not in ("steps", "wall", "wire_by_op")) == pytest.approx(
@@ -304,7 +311,7 @@ def test_bench_load_counts_the_formulas_bytes_and_reports_memory(block):
 
 def test_bench_lm_compression_fp16_halves_only_the_variance_steps_bytes(tmp_path):
     """``--compression fp16`` hands hvd.Compression.fp16 to the zoadam run: its VARIANCE steps
-    send half the counted bytes of their averages, every other kind the same; the torchrun run refuses it."""
+    send half the counted bytes of their averages, every other kind the same; the runs without Horovod refuse it."""
     argv = ["-m", "hvd_zoadam.bench.lm", "--run", "zoadam", "--steps", "8", "--warmup", "3", "--n-layer", "1",
             "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
             "--var-update-scaler", "1", "--local-step-clipper", "2"]
@@ -318,6 +325,7 @@ def test_bench_lm_compression_fp16_halves_only_the_variance_steps_bytes(tmp_path
     # the averages halve; the 4-byte "gradients changed?" flags (at most one a step) do not
     assert fp32["variance"] > 1000 and 0 <= 2 * fp16["variance"] - fp32["variance"] <= 4 * 2
     assert {k: fp16[k] for k in ("compressed", "local", "sync")} == {k: fp32[k] for k in ("compressed", "local", "sync")}
-    proc = run_cmd([sys.executable, "-m", "hvd_zoadam.bench.lm", "--run", "zoadam-torchrun", "--compression", "fp16",
-                    "--out", str(tmp_path / "t.json")], check=False)
-    assert proc.returncode != 0 and "the zoadam-torchrun run has no Horovod" in proc.stderr
+    for run in ("zoadam-torchrun", "zoadam-mpi"):
+        proc = run_cmd([sys.executable, "-m", "hvd_zoadam.bench.lm", "--run", run, "--compression", "fp16",
+                        "--out", str(tmp_path / "t.json")], check=False)
+        assert proc.returncode != 0 and f"the {run} run has no Horovod" in proc.stderr

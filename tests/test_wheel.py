@@ -143,7 +143,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
         # MSB first, +1 -> bit 1, ±0 -> +1: 1,0,1,1,1,1,0,0 = 0b10111100
         assert after["packed"] == [188] and after["packed_dtype"] == "torch.uint8", after
 
-        # Horovod is optional: none in this venv, and the quick start without it runs under torchrun.
+        # Horovod is optional: none in this venv, and the quick starts without it run under torchrun and mpirun.
         assert _run([python, "-c", "import importlib.util; print(importlib.util.find_spec('horovod'))"], work, env,
                     timeout=120).stdout.strip() == "None"
         script = work / "quickstart_distributed.py"
@@ -152,5 +152,14 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
                     {**env, "OMP_NUM_THREADS": "1"}, timeout=300)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("loss ")]
         assert line and "over torch.distributed (gloo)" in line[0], proc.stdout + proc.stderr
+        first, last = (float(v) for v in line[0].split(";")[0][5:].split(" -> "))
+        assert last < 0.1 * first, line[0]
+        # and the quick start over MPI alone, under mpirun
+        script = work / "quickstart_mpi.py"
+        script.write_text((ROOT / "examples" / "quickstart_mpi.py").read_text())
+        proc = _run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", python, script], work,
+                    {**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("loss ")]
+        assert line and "over mpi (mpi4py)" in line[0], proc.stdout + proc.stderr
         first, last = (float(v) for v in line[0].split(";")[0][5:].split(" -> "))
         assert last < 0.1 * first, line[0]

@@ -7,7 +7,8 @@
   invocation it runs, with the same model, data, seeds and steps: (a) Horovod AdamW fp32,
   (b) the same with fp16 compression, (c) hvd_zoadam, and the same 0/1 Adam launched by
   ``torchrun`` (one agent per host, static rendezvous at host 1) through
-  :mod:`hvd_zoadam.distributed` over a Gloo group, (d) DDP + PowerSGD over gloo,
+  :mod:`hvd_zoadam.distributed` over a Gloo group (on request also through
+  :mod:`hvd_zoadam.mpi` over mpi4py alone, ``zoadam-mpi``: no Horovod started), (d) DDP + PowerSGD over gloo,
   (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only (its slowest rank:
   no collective paces its ranks, and the slowest one paces a data-parallel job; on request
   also with Horovod started, ``compute-horovod``, the ceiling of a Horovod job). Ranks run
@@ -52,6 +53,7 @@ RUN_LABELS = {
     "adam-fp16": "(b) Horovod AdamW fp16",
     "zoadam": "(c) hvd_zoadam 0/1 Adam",
     "zoadam-torchrun": "(c) 0/1 Adam under torchrun",
+    "zoadam-mpi": "(c) 0/1 Adam over mpi4py, no Horovod",
     "ddp-powersgd": "(d) DDP + PowerSGD",
     "ddp-localsgd": "(e) DDP + post-local SGD",
     "compute": "(f) compute only",
@@ -60,7 +62,7 @@ RUN_LABELS = {
     "diloco-h8": "(h) torchft DiLoCo, H = 8",
     "diloco-h32": "(h) torchft DiLoCo, H = 32",
 }
-DEFAULT_RUNS = [run for run in RUN_LABELS if run != "compute-horovod"]
+DEFAULT_RUNS = [run for run in RUN_LABELS if run not in ("compute-horovod", "zoadam-mpi")]
 
 
 # -- network ---------------------------------------------------------------------------------
@@ -199,6 +201,18 @@ def _ratios(results: list) -> dict:
                 [v for _, _, v in t["val_curve"]] == [v for _, _, v in z["val_curve"]]
             if "compute" in by:  # no Horovod in either: the ceiling of a torchrun job
                 out["zoadam_torchrun_steps_per_s_vs_compute"] = t["steps_per_s"] / by["compute"]["steps_per_s"]
+        m = by.get("zoadam-mpi")
+        if m:  # the same optimizer over mpi4py alone: no Horovod started
+            out["zoadam_mpi_steps_per_s_vs_zoadam"] = m["steps_per_s"] / z["steps_per_s"]
+            out["zoadam_mpi_val_curve_equal_to_zoadam"] = \
+                [v for _, _, v in m["val_curve"]] == [v for _, _, v in z["val_curve"]]
+            out["zoadam_mpi_final_loss_equal_to_zoadam"] = m["final_loss"] == z["final_loss"]
+            for other in ("compute", "compute-horovod"):
+                if other in by:
+                    out[f"zoadam_mpi_steps_per_s_vs_{other}"] = m["steps_per_s"] / by[other]["steps_per_s"]
+                    if m.get("steady_steps_per_s") and by[other].get("steady_steps_per_s"):
+                        out[f"zoadam_mpi_steady_steps_per_s_vs_{other}"] = \
+                            m["steady_steps_per_s"] / by[other]["steady_steps_per_s"]
         if "onebit" in by:  # the paper's own comparison, over the same steps
             o = by["onebit"]
             out["zoadam_wire_bytes_vs_onebit"] = z["wire_bytes_sent_per_rank"] / o["wire_bytes_sent_per_rank"]
@@ -779,7 +793,7 @@ def main(argv=None) -> int:
                      help="validation loss on one fixed held-out set every k steps (0: never); with the adam "
                           "run the report gives each system's time to Adam's quality at 2/3 of the steps")
     net.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"subset of {','.join(RUN_LABELS)} "
-                                                                    f"(default: all but compute-horovod)")
+                                                                    f"(default: all but compute-horovod and zoadam-mpi)")
     net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                      help="extra worker flags, e.g. --n-layer 1 --n-embd 64, or 0/1 Adam's --var-update-scaler 8 "

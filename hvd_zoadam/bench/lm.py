@@ -14,6 +14,8 @@ Runs (``--run``):
   zoadam-torchrun
                 the same 0/1 Adam through hvd_zoadam.distributed over a torch.distributed Gloo
                 group, one rank per torchrun agent (launched by torchrun, not mpirun; no Horovod)
+  zoadam-mpi    the same 0/1 Adam through hvd_zoadam.mpi over mpi4py alone (launched by mpirun;
+                no Horovod, so no background thread beside the training)
   ddp-powersgd  torch DDP over gloo with the PowerSGD hook (rank --powersgd-rank, error feedback,
                 warm start; plain allreduce for the first --warmup steps), bucket_cap_mb=1000
   ddp-localsgd  torch DDP over gloo with post-local SGD: allreduce for --warmup steps, then local
@@ -48,10 +50,10 @@ import torch.nn.functional as F
 
 from hvd_zoadam.bench.breakdown import Breakdown
 
-RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "ddp-powersgd", "ddp-localsgd", "compute",
+RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd", "ddp-localsgd", "compute",
         "compute-horovod", "onebit")
 COMPUTE_RUNS = ("compute", "compute-horovod")  # no collective in the steps: each rank reports its own speed
-ZOADAM_RUNS = ("zoadam", "zoadam-torchrun")
+ZOADAM_RUNS = ("zoadam", "zoadam-torchrun", "zoadam-mpi")
 
 
 def example_module(name: str):
@@ -194,26 +196,36 @@ def parse(argv=None):
                     help="time each step's parts (hvd_zoadam.bench.breakdown); every rank writes --out.rank<r>.breakdown")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.compression != "none" and args.run == "zoadam-torchrun":
-        ap.error("--compression is Horovod's argument and the zoadam-torchrun run has no Horovod; "
+    if args.compression != "none" and args.run in ("zoadam-torchrun", "zoadam-mpi"):
+        ap.error(f"--compression is Horovod's argument and the {args.run} run has no Horovod; "
                  "leave it out of that run")
     return args
 
 
 @torch.no_grad()
-def _val_loss(model, batches, hvd, dist, world, step) -> float:
+def _average(value: torch.Tensor, hvd, dist, comm, world, name: str) -> torch.Tensor:
+    """``value`` averaged over the ranks by whichever collectives the run has (itself if none)."""
+    if hvd is not None:
+        return hvd.allreduce(value, op=hvd.Average, name=name)
+    if dist is not None:
+        dist.all_reduce(value)
+        return value / world
+    if comm is not None:  # float32, as Horovod sums
+        from mpi4py import MPI
+        total = value.reshape(1).to(torch.float32).clone()
+        comm.Allreduce(MPI.IN_PLACE, [total.numpy(), MPI.FLOAT], op=MPI.SUM)
+        return total[0] / world
+    return value
+
+
+def _val_loss(model, batches, hvd, dist, comm, world, step) -> float:
     """The validation loss on the fixed held-out batches, averaged over the ranks' models (they
     differ inside local-step windows); ``compute`` ranks report their own."""
     model.eval()
     val = torch.tensor(sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches)
                        / len(batches))
     model.train()
-    if hvd is not None:
-        val = hvd.allreduce(val, op=hvd.Average, name=f"bench.val.{step}")
-    elif dist is not None:
-        dist.all_reduce(val)
-        val /= world
-    return float(val)
+    return float(_average(val, hvd, dist, comm, world, f"bench.val.{step}"))
 
 
 def _adamw_impl(args, run=None) -> dict:
@@ -234,11 +246,15 @@ def main(argv=None):
     args = parse(argv)
     lm = _train_lm()
     torch.set_num_threads(1)
-    hvd = dist = None
+    hvd = dist = comm = None
     if args.run in ("adam", "adam-fp16", "zoadam", "onebit", "compute-horovod"):
         import horovod.torch as hvd
         hvd.init()
         rank, world = hvd.rank(), hvd.size()
+    elif args.run == "zoadam-mpi":
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
     elif args.run == "zoadam-torchrun":  # torchrun's env:// (MASTER_ADDR, RANK, WORLD_SIZE, ...)
         import torch.distributed as dist
         dist.init_process_group("gloo")
@@ -268,7 +284,9 @@ def main(argv=None):
     if args.run in ZOADAM_RUNS:
         import hvd_zoadam
         import hvd_zoadam.distributed as zd
-        factory = hvd_zoadam.DistributedOptimizer if args.run == "zoadam" else zd.DistributedOptimizer
+        import hvd_zoadam.mpi as zm
+        factory = {"zoadam": hvd_zoadam.DistributedOptimizer, "zoadam-torchrun": zd.DistributedOptimizer,
+                   "zoadam-mpi": zm.DistributedOptimizer}[args.run]
         extra = {"compression": hvd.Compression.fp16} if args.compression == "fp16" else {}
         opt = factory(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)),
                       named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
@@ -332,18 +350,13 @@ def main(argv=None):
         losses.append(loss.item())
         timer.end_step(kind)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, world, step))
+            clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, comm, world, step))
     elapsed = clock.elapsed()  # steps/s and wall times never include evaluations
     steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
     steady = ((args.steps - steady_from + 1) / (clock.end - clock.stamps[steady_from]
                                                 - sum(d for t, d in clock.eval_at.items() if t >= steady_from))
               if steady_from <= args.steps else None)
-    final = torch.tensor(sum(losses[-10:]) / len(losses[-10:]))
-    if hvd is not None:
-        final = hvd.allreduce(final, op=hvd.Average, name="bench.final")
-    elif dist is not None:
-        dist.all_reduce(final)
-        final /= world
+    final = _average(torch.tensor(sum(losses[-10:]) / len(losses[-10:])), hvd, dist, comm, world, "bench.final")
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed, "final_loss": final.item(),
            "steady_steps_per_s": steady, "steady_from_step": steady_from,
@@ -385,6 +398,8 @@ def main(argv=None):
     elif dist is not None:
         dist.barrier()
         dist.destroy_process_group()
+    elif comm is not None:
+        comm.Barrier()
 
 
 if __name__ == "__main__":

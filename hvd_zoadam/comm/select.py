@@ -1,11 +1,15 @@
 """Which transport a job gets: the ``transport`` argument resolved against what this process
-runs (Horovod with the MPI or the Gloo controller, or a ``torch.distributed`` process group)."""
+runs (Horovod with the MPI or the Gloo controller, a ``torch.distributed`` process group, or
+MPI through mpi4py alone)."""
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from hvd_zoadam.comm.gloo import GlooTransport, gloo_unavailable_reason
-from hvd_zoadam.comm.transport import TRANSPORTS, HorovodTransport, MPITransport, Transport, mpi_unavailable_reason
+from hvd_zoadam.comm.transport import (TRANSPORTS, HorovodTransport, MPICommTransport, MPITransport, Transport,
+                                       mpi_unavailable_reason)
 
 
 def make_transport(transport, process_set=None, device=None) -> Transport:
@@ -17,28 +21,41 @@ def make_transport(transport, process_set=None, device=None) -> Transport:
     ``"torch.distributed"`` (:class:`~hvd_zoadam.comm.torch_distributed.TorchDistributedTransport`;
     ``process_set`` is then a ``torch.distributed`` process group or None), ``"auto"``:
     ``"torch.distributed"`` when ``torch.distributed`` is initialised and Horovod is not (or is
-    not installed), else ``"mpi"`` where :func:`mpi_unavailable_reason` finds nothing against it,
+    not installed); mpi4py alone (:class:`~hvd_zoadam.comm.transport.MPICommTransport` on
+    ``MPI.COMM_WORLD``) when neither is and ``mpi4py.MPI`` has initialised MPI; else ``"mpi"``
+    where :func:`mpi_unavailable_reason` finds nothing against it,
     else ``"gloo"`` for tensors on the CPU (``device``; None counts as the CPU) where
     :func:`~hvd_zoadam.comm.gloo.gloo_unavailable_reason` finds nothing against it, else
-    ``"horovod"`` (whose GPU collectives need no trip through host memory).
+    ``"horovod"`` (whose GPU collectives need no trip through host memory). A
+    ``process_set`` that is an mpi4py intracommunicator takes mpi4py alone on it, under
+    ``"auto"`` or ``"mpi"``.
 
     Raises:
-        ValueError: unknown name, or neither Horovod nor torch.distributed initialised, or this
-            rank outside the set, or ``"mpi"`` or ``"gloo"`` where it cannot work (the reason named).
+        ValueError: unknown name, or neither Horovod nor torch.distributed nor MPI initialised,
+            or this rank outside the set, or ``"mpi"`` or ``"gloo"`` where it cannot work (the
+            reason named).
     """
     if isinstance(transport, Transport):
         return transport
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS} or a Transport instance, got {transport!r}")
+    if _is_mpi_comm(process_set):
+        if transport not in ("auto", "mpi"):
+            raise ValueError(f"process_set is an mpi4py communicator, which only transport='mpi' or 'auto' "
+                             f"moves; got transport={transport!r}")
+        return mpi_alone_transport(process_set)
     if transport == "torch.distributed" or (transport == "auto" and _torch_distributed_only()):
         from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport
         return TorchDistributedTransport(process_set)
+    if transport == "auto" and process_set is None and _mpi_only():
+        return mpi_alone_transport(None)
     try:
         import horovod.torch as hvd
     except ImportError:
         raise ValueError(f"transport={transport!r} needs Horovod, which is not installed here: install it "
                          "(scripts/setup.sh builds it), or initialise torch.distributed and use "
-                         "hvd_zoadam.distributed.DistributedOptimizer") from None
+                         "hvd_zoadam.distributed.DistributedOptimizer, or launch with mpirun and use "
+                         "hvd_zoadam.mpi.DistributedOptimizer") from None
 
     from hvd_zoadam import native
     if not hvd.is_initialized():
@@ -69,3 +86,38 @@ def horovod_initialized() -> bool:
 def _torch_distributed_only() -> bool:
     import torch.distributed as dist
     return dist.is_available() and dist.is_initialized() and not horovod_initialized()
+
+
+def _is_mpi_comm(obj) -> bool:
+    """Whether ``obj`` is an mpi4py communicator (without importing mpi4py where no one has)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(obj, mpi.Comm)
+
+
+def _mpi_only() -> bool:
+    """MPI initialised by mpi4py, and neither Horovod nor torch.distributed initialised."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return False
+    if "horovod.torch" in sys.modules and horovod_initialized():  # Horovod is not imported for nothing
+        return False
+    import torch.distributed as dist
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def mpi_alone_transport(comm) -> MPICommTransport:
+    """:class:`MPICommTransport` on ``comm`` (None: ``MPI.COMM_WORLD``), with the CPU kernels'
+    threads shared among ``comm``'s ranks on this host (one ``Split_type`` over ``comm``, the
+    first time only)."""
+    from hvd_zoadam import native
+    transport = MPICommTransport(comm)
+    key = transport._comm_key()
+    if key not in _ranks_on_host:
+        node = transport._comm.Split_type(transport._MPI.COMM_TYPE_SHARED, key=transport.rank)
+        _ranks_on_host[key] = node.Get_size()
+        node.Free()
+    native.configure_threads(_ranks_on_host[key])
+    return transport
+
+
+_ranks_on_host: dict = {}  # communicator key -> its ranks on this host

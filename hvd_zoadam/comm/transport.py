@@ -123,6 +123,7 @@ class MPIHandle:
     host_recv: torch.Tensor
     device_recv: torch.Tensor | None
     host_send: torch.Tensor
+    divide_by: int = 1  # an allreduce's world size (its SUM becomes the average at wait()), else 1
 
 
 @dataclass
@@ -375,7 +376,7 @@ def _allgather_object_via_bytes(gather, obj, name: str) -> list:
 
 MPI_CUDA_AWARE_ENV = "HVD_ZOADAM_MPI_CUDA_AWARE"
 _mpi_comms: dict = {}  # tuple(ranks) -> communicator over Horovod's MPI world
-_mpi_flag_comms: dict = {}  # tuple(ranks) -> its duplicate, which carries only the flag
+_mpi_flag_comms: dict = {}  # communicator key -> its duplicate, which carries only the flag
 
 
 def mpi_unavailable_reason() -> str | None:
@@ -498,7 +499,7 @@ class MPITransport(HorovodTransport):
         cross-node communicator orders the nodes by their lowest rank. Collective over the
         process set's ranks (MPI ``Split``s, made once per process set)."""
         comm, forced = self._world_comm(), ranks_per_node_override()
-        key = (tuple(self.process_set.ranks), forced)
+        key = (self._comm_key(), forced)
         comms = _mpi_split_comms.get(key)
         if comms is None:
             if forced is not None:
@@ -545,12 +546,20 @@ class MPITransport(HorovodTransport):
             self._comm = _mpi_comm(self.process_set)
         return self._comm
 
+    def _comm_key(self):
+        """What keys the communicators made from this transport's (the process set's ranks)."""
+        return tuple(self.process_set.ranks)
+
+    def _flag_comm(self):
+        self._world_comm()
+        return _mpi_flag_comms[self._comm_key()]
+
     def allgather_flag(self, tensor, name):
         """See :meth:`Transport.allgather_flag`: on a duplicate of the rounds' communicator
-        (one per process set), which only the flags use, in the same order on every rank."""
-        self._world_comm()
+        (one per communicator), which only the flags use, in the same order on every rank."""
+        comm = self._flag_comm()
         self._count("allgather", tensor)
-        return self.wait(self._start_on(_mpi_flag_comms[tuple(self.process_set.ranks)], "allgather", tensor, name))
+        return self.wait(self._start_on(comm, "allgather", tensor, name))
 
     def _start(self, op, tensor, name):
         if op == "allreduce":  # the fp32 averages stay on Horovod's fused allreduce
@@ -595,31 +604,110 @@ class MPITransport(HorovodTransport):
             time.sleep(0)
         if handle.device_recv is not None:
             handle.device_recv.copy_(handle.host_recv)
+        if handle.divide_by > 1:
+            handle.recv.div_(handle.divide_by)
         return handle.recv
 
 
 class MPICommTransport(MPITransport):
-    """``alltoall`` and ``allgather`` over mpi4py on a communicator split from the job's
-    (:meth:`MPITransport.node_split`); its counts also go to ``parent_counter``."""
+    """The whole exchange over mpi4py on one intracommunicator, with no Horovod: the
+    transport of :mod:`hvd_zoadam.mpi` (``comm``: default ``MPI.COMM_WORLD``), and of the
+    node and cross-node communicators :meth:`MPITransport.node_split` makes.
 
-    def __init__(self, comm, timeout_s: float, parent_counter: CommCounter):
-        Transport.__init__(self, comm.Get_rank(), comm.Get_size())
+    The 1-bit rounds are :class:`MPITransport`'s (``Ialltoall``/``Iallgather``, polled against
+    the deadline); the full-precision average is ``Iallreduce`` (SUM, in place) then a division
+    by the world size, as :mod:`hvd_zoadam.distributed` does over Gloo; the flag travels on a
+    duplicate of ``comm`` made at the first collective (construction runs none). Counts go to
+    ``parent_counter`` too when given.
+
+    Raises:
+        TypeError: ``comm`` is not an mpi4py intracommunicator.
+        ValueError: MPI cannot serve this transport here (:func:`mpi_comm_unavailable_reason`).
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm=None, timeout_s: float | None = None, parent_counter: CommCounter | None = None):
         from mpi4py import MPI
+        comm = MPI.COMM_WORLD if comm is None else comm
+        reason = mpi_comm_unavailable_reason(comm)
+        if reason is not None:
+            raise ValueError(f"hvd_zoadam: MPI cannot carry the exchange here: {reason}")
+        Transport.__init__(self, comm.Get_rank(), comm.Get_size())
         self._MPI, self._comm, self.cuda_aware, self._pinned = MPI, comm, None, {}
-        self.timeout_s, self.process_set = timeout_s, None
-        self.counter = CommCounter(parent_counter)
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
+        self.process_set = None
+        if parent_counter is not None:
+            self.counter = CommCounter(parent_counter)
+
+    def describe(self) -> str:
+        cuda = "" if self.cuda_aware is None else (", CUDA-aware" if self.cuda_aware else ", staged via host")
+        return f"mpi (mpi4py{cuda})"
+
+    def _comm_key(self):
+        """The communicator object's identity, kept alive here so that the key stays its own
+        (a handle could be reused by MPI once the user frees the communicator)."""
+        _mpi_keyed_comms.setdefault(id(self._comm), self._comm)
+        return ("comm", id(self._comm))
+
+    def _flag_comm(self):
+        key = self._comm_key()
+        if key not in _mpi_flag_comms:
+            _mpi_flag_comms[key] = self._comm.Dup()  # collective: every rank's first flag or collective
+        return _mpi_flag_comms[key]
 
     def _start(self, op, tensor, name):
+        self._flag_comm()  # made before any collective of this communicator is in flight
         if op == "allreduce":
-            raise NotImplementedError("a split communicator carries the two-level exchange's alltoall and "
-                                      "allgather only")
-        return super()._start(op, tensor, name)
+            return self._start_allreduce(tensor, name)
+        return self._start_on(self._comm, op, tensor, name)
+
+    def _start_allreduce(self, tensor, name):
+        """``Iallreduce`` (SUM) of ``tensor`` in place; :meth:`wait` divides by the world size.
+        float32 and float64 only (MPI has no standard half type)."""
+        MPI = self._MPI
+        kind = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}.get(tensor.dtype)
+        if kind is None:
+            raise TypeError(f"hvd_zoadam: the MPI transport averages float32 and float64 tensors, got {tensor.dtype} "
+                            f"('{name}'); Horovod's compression=hvd.Compression.fp16 needs hvd_zoadam.DistributedOptimizer")
+        if not tensor.is_contiguous():
+            raise ValueError(f"hvd_zoadam: the allreduce '{name}' needs a contiguous tensor")
+        host, _ = self._host(tensor, (name, "allreduce"), send=True)  # a pinned copy where MPI takes no CUDA
+        buf = host.detach().numpy() if host.device.type == "cpu" else host.detach()
+        request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, kind], op=MPI.SUM)
+        return MPIHandle(request, "allreduce", name, self._nbytes(tensor), tensor, host,
+                         tensor if host is not tensor else None, host, divide_by=self.world_size)
 
     def allgather_object(self, obj, name):
         return [loads_plain(data) for data in self._comm.allgather(pickle.dumps(obj))]  # bytes travel
 
 
-_mpi_split_comms = {}  # (process set ranks, HVD_ZOADAM_RANKS_PER_NODE) -> (node comm, cross-node comm)
+def mpi_comm_unavailable_reason(comm) -> str | None:
+    """Why :class:`MPICommTransport` cannot run on ``comm``, or None when it can.
+
+    Needs: MPI initialised (importing ``mpi4py.MPI`` does that) and not finalised, at a thread
+    level of ``MPI_THREAD_SERIALIZED`` or above (the backward hooks of CUDA models run on
+    autograd's threads), and ``comm`` an intracommunicator (not ``COMM_NULL``).
+
+    Raises:
+        TypeError: ``comm`` is not an mpi4py intracommunicator.
+    """
+    from mpi4py import MPI
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD or comm.Split(...)), "
+                        f"got {type(comm).__name__}")
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return "MPI is not initialised (or already finalised); import mpi4py.MPI before building the optimizer"
+    if comm == MPI.COMM_NULL:
+        return "comm is MPI.COMM_NULL: build the optimizer only on the ranks of the communicator it trains with"
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        return ("MPI was initialised below MPI_THREAD_SERIALIZED (mpi4py.rc.thread_level); leave "
+                "mpi4py.rc.thread_level at its default, 'multiple'")
+    return None
+
+
+_mpi_keyed_comms: dict = {}  # id(communicator) -> the communicator, for MPICommTransport._comm_key
+_mpi_split_comms = {}  # (communicator key, HVD_ZOADAM_RANKS_PER_NODE) -> (node comm, cross-node comm)
 
 
 class ThreadGroup:

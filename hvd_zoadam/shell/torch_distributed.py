@@ -21,6 +21,7 @@ a Horovod process set). Results are those of the Horovod front end over the same
 from __future__ import annotations
 
 import gc
+import inspect
 
 import torch
 
@@ -65,6 +66,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
             to a model wrapped in ``DistributedDataParallel`` (which would average every
             gradient a second time), each naming the fix.
     """
+    knobs = {name: value for name, value in locals().items() if name in KNOBS}
     if transport not in ("auto", "torch.distributed") and not isinstance(transport, Transport):
         raise ValueError(f"transport must be 'auto' or 'torch.distributed' here (or a Transport instance), got "
                          f"{transport!r}; for Horovod's collectives use hvd_zoadam.DistributedOptimizer")
@@ -83,16 +85,21 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
             for p in group["params"]:
                 made.check_device(p.device)
         return made
-    return build_optimizer(
-        optimizer, named_parameters, resolve, front_end="hvd_zoadam.distributed.DistributedOptimizer",
-        compression=None, backward_passes_per_step=backward_passes_per_step, gradient_predivide_factor=1.0,
-        groups=None, sparse_as_dense=False, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
-        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-        local_step_policy=local_step_policy, var_update_weighting=var_update_weighting,
-        bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb,
-        scale_block_numel=scale_block_numel, exp_avg_mask=exp_avg_mask, auto_exp_avg_mask=auto_exp_avg_mask,
-        precondition_compression=precondition_compression, step_log=step_log, overlap=overlap,
-        algorithm=algorithm, hierarchical=hierarchical)
+    return build_without_horovod(optimizer, named_parameters, resolve,
+                                 "hvd_zoadam.distributed.DistributedOptimizer", knobs)
+
+
+def build_without_horovod(optimizer, named_parameters, resolve, front_end: str, knobs: dict):
+    """:func:`~hvd_zoadam.shell.optimizer.build_optimizer` for a front end without Horovod's
+    own arguments: ``knobs``, the keyword-only arguments of :func:`DistributedOptimizer`
+    (:data:`KNOBS`; ``transport`` is resolved by ``resolve`` and dropped here)."""
+    knobs = {name: value for name, value in knobs.items() if name != "transport"}
+    return build_optimizer(optimizer, named_parameters, resolve, front_end=front_end, compression=None,
+                           gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False, **knobs)
+
+
+KNOBS = {name: p.default for name, p in inspect.signature(DistributedOptimizer).parameters.items()
+         if p.kind is p.KEYWORD_ONLY}  # every 0/1 Adam and 1-bit Adam knob, and its default
 
 
 def OnebitAdam(optimizer, named_parameters=None, process_group=None, *, freeze_step, **kwargs):
@@ -126,12 +133,8 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
     must be the same on every rank. ``root_rank`` is a rank of ``process_group``.
     Collective over the group."""
     import torch.distributed as dist
-    items = sorted(params.items()) if isinstance(params, dict) else list(params)
     src = _group_root(root_rank, process_group)
-    with torch.no_grad():
-        for _, tensor in items:
-            if isinstance(tensor, torch.Tensor):
-                dist.broadcast(tensor.data, src=src, group=process_group)
+    broadcast_tensors(params, lambda tensor: dist.broadcast(tensor.data, src=src, group=process_group))
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None) -> None:
@@ -144,18 +147,43 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None)
         ValueError: the ranks' optimizers hold different state layouts (both named).
     """
     import torch.distributed as dist
+    src = _group_root(root_rank, process_group)
+
+    def broadcast_object(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=process_group)
+        return box[0]
+    broadcast_state(optimizer, root_rank, broadcast_object,
+                    lambda tensor: dist.broadcast(tensor, src=src, group=process_group))
+
+
+def broadcast_tensors(params, broadcast) -> None:
+    """:func:`broadcast_parameters` over any collective: ``broadcast(tensor)`` makes one
+    tensor the root's in place, on every rank, in the order of ``params``' names."""
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    with torch.no_grad():
+        for _, tensor in items:
+            if isinstance(tensor, torch.Tensor):
+                broadcast(tensor)
+
+
+def broadcast_state(optimizer, root_rank: int, broadcast_object, broadcast) -> None:
+    """:func:`broadcast_optimizer_state` over any collective: ``broadcast_object(obj)``
+    returns the root's plain object (param groups and state keys, pickled by this job's own
+    root rank), ``broadcast(tensor)`` makes one tensor the root's in place.
+
+    Raises:
+        ValueError: the ranks' optimizers hold different state layouts (both named).
+    """
     state = optimizer.state_dict()
     keys = [(pid, k) for pid in sorted(state["state"]) for k in sorted(state["state"][pid])
             if isinstance(state["state"][pid][k], torch.Tensor)]
-    meta = [(state["param_groups"], keys)]
-    dist.broadcast_object_list(meta, src=_group_root(root_rank, process_group), group=process_group)
-    root_groups, root_keys = meta[0]
+    root_groups, root_keys = broadcast_object((state["param_groups"], keys))
     if root_keys != keys:
         raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer holds the state tensors "
                          f"{root_keys[:4]}..., this rank's {keys[:4]}...: build the same model and optimizer on "
                          "every rank")
-    src = _group_root(root_rank, process_group)
     with torch.no_grad():
         for pid, k in keys:
-            dist.broadcast(state["state"][pid][k], src=src, group=process_group)
+            broadcast(state["state"][pid][k])
     optimizer.load_state_dict({"state": state["state"], "param_groups": root_groups})

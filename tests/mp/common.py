@@ -92,7 +92,14 @@ def front_end():
     """``(hvd, DistributedOptimizer, transport class)`` for a worker: Horovod's module, the
     Horovod front end and ``MPITransport``; or, when ``HVD_ZOADAM_TEST_FRONT_END`` is
     ``torch.distributed`` (jobs launched by torchrun), the stand-in of ``tdist_shim.py``, the
-    front end of :mod:`hvd_zoadam.distributed` and its transport, with no Horovod imported."""
+    front end of :mod:`hvd_zoadam.distributed` and its transport, with no Horovod imported;
+    when it is ``mpi`` (jobs launched by mpirun), those of ``mpi_shim.py`` and
+    :mod:`hvd_zoadam.mpi`, with no Horovod imported either."""
+    if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "mpi":
+        import mpi_shim
+        import hvd_zoadam.mpi
+        from hvd_zoadam.comm.transport import MPICommTransport
+        return mpi_shim, hvd_zoadam.mpi.DistributedOptimizer, MPICommTransport
     if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "torch.distributed":
         import tdist_shim
         import hvd_zoadam.distributed

@@ -1,0 +1,145 @@
+"""The MPI front end: 0/1 Adam and 1-bit Adam over mpi4py alone, without Horovod.
+
+For jobs launched by ``mpirun``, ``srun`` or any MPI launcher that would rather not start
+Horovod. Every collective goes through mpi4py on one communicator (default
+``MPI.COMM_WORLD``): the 1-bit rounds as under :func:`hvd_zoadam.DistributedOptimizer`'s
+``transport="mpi"``, the full-precision averages of the VARIANCE steps as ``Iallreduce``.
+With no Horovod there is no background thread waking every ``HOROVOD_CYCLE_TIME`` on cores
+the training uses (docs/performance.md measures what that thread costs). The change from a
+Horovod script::
+
+    from mpi4py import MPI                          # initialises MPI (thread level 'multiple')
+    import hvd_zoadam.mpi as zm
+    # hvd.init()                                    # drop Horovod
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = zm.DistributedOptimizer(opt, model.named_parameters())
+    zm.broadcast_parameters(model.state_dict(), root_rank=0)
+    zm.broadcast_optimizer_state(opt, root_rank=0)
+
+Every 0/1 Adam and 1-bit Adam option has the name and default of
+:func:`hvd_zoadam.distributed.DistributedOptimizer`; ``comm`` (an mpi4py intracommunicator)
+takes the place of a Horovod process set. CUDA tensors go to a CUDA-aware MPI, or through
+pinned host buffers (as ``transport="mpi"`` does). The full-precision average is a sum then a
+division by the world size: at world sizes that are not powers of two its last bit can differ
+from Horovod's (which multiplies by 1/size), as that of :mod:`hvd_zoadam.distributed` can.
+"""
+from __future__ import annotations
+
+import torch
+
+from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.shell.torch_distributed import KNOBS, broadcast_state, broadcast_tensors, build_without_horovod
+
+__all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
+
+FRONT_END = "hvd_zoadam.mpi.DistributedOptimizer"
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options):  # noqa: N802 - Horovod's name
+    """Wrap a ``torch.optim.Adam``/``AdamW`` into 0/1 Adam (or 1-bit Adam) over an mpi4py
+    communicator, without Horovod.
+
+    Args:
+        optimizer: a plain ``torch.optim.Adam`` or ``AdamW`` over the model's parameters.
+        named_parameters: ``model.named_parameters()``; the names key the settings and layout
+            check across ranks (recommended; without them parameters are named by position).
+        comm: the ranks that train together, an mpi4py intracommunicator (default
+            ``MPI.COMM_WORLD``); every one of its ranks builds the optimizer.
+        **options: the keyword-only options of
+            :func:`hvd_zoadam.distributed.DistributedOptimizer`, with its defaults
+            (``var_freeze_step``, ``local_step_policy``, ``bucket_cap_mb``, ``hierarchical``, ...);
+            ``transport`` is ``"auto"`` or ``"mpi"`` (the same here) or a
+            :class:`~hvd_zoadam.comm.transport.Transport`. ``hierarchical=True`` takes nodes
+            from ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, or blocks of
+            ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks when that is set.
+
+    Returns:
+        A :class:`~hvd_zoadam.shell.optimizer.ZeroOneAdamOptimizer` (or
+        :class:`~hvd_zoadam.shell.optimizer.OnebitAdamOptimizer`), also an instance of
+        ``type(optimizer)``, with ``synchronize()``/``skip_synchronize()`` for gradient clipping.
+
+    Raises:
+        TypeError: an option that :func:`hvd_zoadam.distributed.DistributedOptimizer` does not
+            take (named), ``comm`` not an mpi4py intracommunicator, or as that function.
+        ValueError: as :func:`hvd_zoadam.distributed.DistributedOptimizer`; also when MPI is
+            not initialised or runs below ``MPI_THREAD_SERIALIZED``, each naming the fix.
+    """
+    unknown = sorted(set(options) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"{FRONT_END}() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                        f"those of hvd_zoadam.distributed.DistributedOptimizer: {', '.join(KNOBS)}")
+    knobs = {**KNOBS, **options}
+    transport = knobs["transport"]
+    if transport not in ("auto", "mpi") and not isinstance(transport, Transport):
+        raise ValueError(f"transport must be 'auto' or 'mpi' here (or a Transport instance), got {transport!r}; "
+                         "for Horovod's collectives use hvd_zoadam.DistributedOptimizer")
+
+    def resolve():
+        if isinstance(transport, Transport):
+            return transport
+        from hvd_zoadam.comm.select import mpi_alone_transport
+        return mpi_alone_transport(_comm(comm))
+    return build_without_horovod(optimizer, named_parameters, resolve, FRONT_END, knobs)
+
+
+def OnebitAdam(optimizer, named_parameters=None, comm=None, *, freeze_step, **kwargs):  # noqa: N802
+    """1-bit Adam (Tang et al., arXiv 2102.02888) over mpi4py: ``DistributedOptimizer(optimizer,
+    named_parameters, comm, algorithm="onebit", var_freeze_step=freeze_step, **kwargs)`` (see
+    :func:`hvd_zoadam.OnebitAdam`)."""
+    return DistributedOptimizer(optimizer, named_parameters, comm, algorithm="onebit",
+                                var_freeze_step=freeze_step, **kwargs)
+
+
+def broadcast_parameters(params, root_rank: int = 0, comm=None) -> None:
+    """``hvd.broadcast_parameters`` over mpi4py: every rank's tensors become ``root_rank``'s, in
+    place. ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of
+    ``(name, tensor)``, in the same order of names on every rank. ``root_rank``: a rank of
+    ``comm`` (default ``MPI.COMM_WORLD``). CUDA tensors travel through host memory (set-up only).
+    Collective over ``comm``.
+
+    Raises:
+        ValueError: ``root_rank`` outside ``comm``.
+    """
+    comm = _comm(comm)
+    _check_root(root_rank, comm)
+    broadcast_tensors(params, lambda tensor: _bcast_tensor(comm, tensor, root_rank))
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
+    """``hvd.broadcast_optimizer_state`` over mpi4py: every rank takes ``root_rank``'s
+    ``state_dict()`` (m, v, the anchor, the schedule counters, lr and the other group
+    settings), then ``load_state_dict`` of it. The error buffers stay each rank's own.
+    Collective over ``comm``.
+
+    Raises:
+        ValueError: ``root_rank`` outside ``comm``, or the ranks' optimizers hold different
+            state layouts (both named).
+    """
+    comm = _comm(comm)
+    _check_root(root_rank, comm)
+    broadcast_state(optimizer, root_rank, lambda obj: comm.bcast(obj, root=root_rank),
+                    lambda tensor: _bcast_tensor(comm, tensor, root_rank))
+
+
+def _comm(comm):
+    """``comm``, or ``MPI.COMM_WORLD`` for None (importing mpi4py.MPI initialises MPI)."""
+    from mpi4py import MPI
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+def _check_root(root_rank: int, comm) -> None:
+    if not isinstance(root_rank, int) or not 0 <= root_rank < comm.Get_size():
+        raise ValueError(f"root_rank must be a rank of the communicator (0 to {comm.Get_size() - 1}), "
+                         f"got {root_rank!r}")
+
+
+def _bcast_tensor(comm, tensor: torch.Tensor, root_rank: int) -> None:
+    """``tensor`` becomes ``root_rank``'s, in place, as bytes (any dtype); CUDA and
+    non-contiguous tensors through a contiguous host copy."""
+    from mpi4py import MPI
+    tensor = tensor.detach()
+    in_place = tensor.device.type == "cpu" and tensor.is_contiguous()
+    host = tensor if in_place else tensor.contiguous().cpu()
+    comm.Bcast([host.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE], root=root_rank)
+    if not in_place:
+        tensor.copy_(host)

@@ -1,0 +1,93 @@
+"""mpirun worker for the mpi4py front end (no Horovod): refusals by name on every rank, the
+broadcasts, the VARIANCE average's dtype refusal and a sub-communicator. Rank r writes
+``OUT_DIR/rank{r}.pt``."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+import hvd_zoadam  # noqa: E402
+import hvd_zoadam.mpi as zm  # noqa: E402
+from hvd_zoadam.comm.transport import MPICommTransport  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+
+
+def refusal(build) -> str:
+    try:
+        build()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def adam(model):
+    return torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=0.01)
+
+
+def scenario_refusals(out):
+    model = common.mlp()
+    out["unknown_option"] = refusal(lambda: zm.DistributedOptimizer(adam(model), compression="fp16"))
+    out["transport"] = refusal(lambda: zm.DistributedOptimizer(adam(model), transport="gloo"))
+    out["comm_type"] = refusal(lambda: zm.DistributedOptimizer(adam(model), comm="world"))
+    out["root_rank"] = refusal(lambda: zm.broadcast_parameters(model.state_dict(), root_rank=COMM.Get_size()))
+    out["half_average"] = refusal(lambda: MPICommTransport().allreduce_average_(torch.ones(4, dtype=torch.float16),
+                                                                                "half"))
+    # ranks that pass different options: the first step's settings check fails on every rank
+    opt = zm.DistributedOptimizer(adam(model), model.named_parameters(), var_freeze_step=6 + COMM.Get_rank())
+    common.loss_fn(model, 1, COMM.Get_rank()).backward()
+    out["mismatch"] = refusal(opt.step)
+
+
+def scenario_broadcast(out):
+    """Parameters and AdamW's state from rank 1 (every rank starts elsewhere), in place."""
+    root = 1
+    model = common.mlp(seed=100 + COMM.Get_rank())
+    zm.broadcast_parameters(model.state_dict(), root_rank=root)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    inner = adam(model)
+    for t in range(1, 3 + COMM.Get_rank()):  # the ranks' states differ in their step counts
+        inner.zero_grad()
+        common.loss_fn(model, t, COMM.Get_rank()).backward()
+        inner.step()
+    inner.param_groups[0]["lr"] = 0.5 + COMM.Get_rank()
+    first = inner.param_groups[0]["params"][0]
+    out["state_before"] = {k: v.clone() for k, v in inner.state[first].items()}
+    zm.broadcast_optimizer_state(inner, root_rank=root)
+    out["state"] = {k: v.clone() for k, v in inner.state[first].items()}
+    out["lr"] = inner.param_groups[0]["lr"]
+
+
+def scenario_subcomm(out):
+    """0/1 Adam on the even ranks' communicator only, with the odd ranks idle."""
+    sub = COMM.Split(color=COMM.Get_rank() % 2, key=COMM.Get_rank())
+    out["sub"] = None
+    if COMM.Get_rank() % 2 == 0:
+        model = common.mlp()
+        opt = zm.DistributedOptimizer(adam(model), model.named_parameters(), comm=sub, **common.TRAIN)
+        for t in range(1, common.TRAIN_STEPS + 1):
+            opt.zero_grad()
+            common.loss_fn(model, t, sub.Get_rank()).backward()
+            opt.step()
+        out["sub"] = {"size": sub.Get_size(), "final": [p.detach().clone() for p in model.parameters()],
+                      "transport": opt.comm_stats()["transport"]}
+    COMM.Barrier()
+
+
+def main():
+    out = {"rank": COMM.Get_rank(), "size": COMM.Get_size()}
+    scenario_refusals(out)
+    scenario_broadcast(out)
+    scenario_subcomm(out)
+    out["horovod_imported"] = "horovod" in sys.modules
+    torch.save(out, os.path.join(sys.argv[1], f"rank{COMM.Get_rank()}.pt"))
+
+
+if __name__ == "__main__":
+    main()

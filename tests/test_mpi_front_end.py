@@ -1,0 +1,111 @@
+"""The mpi4py front end (:mod:`hvd_zoadam.mpi`) under mpirun, with no Horovod: the same oracle
+tests as the Horovod jobs, and its own refusals, broadcasts and sub-communicators.
+
+The jobs run ``tests/mp/worker.py`` with ``HVD_ZOADAM_TEST_FRONT_END=mpi``: it builds its
+optimizers with :mod:`hvd_zoadam.mpi` and imports no Horovod. Each test of
+``test_multiprocess`` imported here runs again on these jobs: the 1-bit exchange's outputs and
+both error buffers bitwise equal to the in-process oracle, every VARIANCE-only run equal to
+data-parallel Adam, training equal to the oracle and bitwise identical across ranks after every
+sync, the byte counts by the documented formulas, overlap with the same parameters.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_ranks, run_job
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+
+import common  # noqa: E402
+from test_multiprocess import (test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep,  # noqa: E402,F401
+                               test_all_variance_steps_equal_horovod_adam,
+                               test_comm_stats_count_bytes_by_the_documented_formulas,
+                               test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
+                               test_compressed_allreduce_matches_simulation_bitwise,
+                               test_non_finite_input_raises_on_every_rank_and_leaves_buffers,
+                               test_overlap_with_backward_gives_the_same_parameters,
+                               test_training_matches_simulation_and_syncs_are_bitwise)
+
+from hvd_zoadam import Schedule  # noqa: E402
+from hvd_zoadam.oracle.simulate import simulate_zoadam  # noqa: E402
+
+FRONT_END = {"HVD_ZOADAM_TEST_FRONT_END": "mpi"}
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"mpi-alone-np{n}")
+def job(request, tmp_path_factory):
+    np_ = request.param
+    out = tmp_path_factory.mktemp(f"mpialone{np_}")
+    run_job("mpi", np_, ["tests/mp/worker.py", str(out)], env=FRONT_END)
+    ranks = load_ranks(out, np_)
+    assert [r["rank"] for r in ranks] == list(range(np_)) and all(r["size"] == np_ for r in ranks)
+    for r in ranks:
+        assert r["horovod_imported"] is False and r["horovod_imported_after"] is False
+        assert all(res["transport"] == "mpi" for res in r["train"].values())
+        assert r["train"]["Adam-0.0"]["stats"]["transport"] == "mpi (mpi4py)"
+    return np_, ranks
+
+
+@pytest.fixture(scope="module", params=[(4, 2), (2, 1)], ids=["mpi-alone-np4-L2", "mpi-alone-np2-L1"])
+def mpi_job(request, tmp_path_factory):
+    """The two-level jobs of test_hierarchical on the mpi4py front end: nodes of ``L`` ranks
+    (HVD_ZOADAM_RANKS_PER_NODE); the tests below are test_hierarchical's, run again on these jobs."""
+    p, local = request.param
+    out = tmp_path_factory.mktemp(f"mpialone-hier{p}{local}")
+    run_job("mpi", p, ["tests/mp/worker_hier.py", str(out)],
+            env={**FRONT_END, "HVD_ZOADAM_RANKS_PER_NODE": str(local)})
+    return p, local, load_ranks(out, p)
+
+
+from test_hierarchical import (  # noqa: E402,F401
+    test_mpi_ranks_that_disagree_on_hierarchical_fail_at_construction_on_every_rank,
+    test_mpi_training_runs_equal_the_simulation_flat_and_two_level,
+    test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula)
+
+
+@pytest.fixture(scope="module")
+def mpi_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mpialone-own")
+    run_job("mpi", 3, ["tests/mp/worker_mpi.py", str(out)])
+    ranks = load_ranks(out, 3)
+    assert not any(r["horovod_imported"] for r in ranks)
+    return ranks
+
+
+def test_wrong_input_is_refused_by_name_on_every_rank(mpi_ranks):
+    for r in mpi_ranks:
+        assert r["unknown_option"].startswith("TypeError") and "'compression'" in r["unknown_option"]
+        assert r["transport"].startswith("ValueError") and "'gloo'" in r["transport"]
+        assert r["comm_type"].startswith("TypeError") and "mpi4py intracommunicator" in r["comm_type"]
+        assert r["root_rank"].startswith("ValueError") and "root_rank" in r["root_rank"]
+        assert r["half_average"].startswith("TypeError") and "float16" in r["half_average"]
+        assert r["mismatch"].startswith("ValueError") and "var_freeze_step" in r["mismatch"], r["mismatch"]
+
+
+def test_broadcasts_make_every_rank_the_roots(mpi_ranks):
+    root = mpi_ranks[1]
+    want = list(common.mlp(seed=101).parameters())
+    for r in mpi_ranks:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], want))
+        assert r["lr"] == 1.5
+        assert r["state"].keys() == root["state_before"].keys()
+        assert all(torch.equal(r["state"][k], root["state_before"][k]) for k in r["state"])
+    assert not torch.equal(mpi_ranks[0]["state_before"]["step"], root["state_before"]["step"])  # it changed
+
+
+def test_a_sub_communicator_trains_alone_and_equals_the_simulation(mpi_ranks):
+    """Ranks 0 and 2 (the even ranks' ``comm.Split``) train while rank 1 idles: the result is
+    the simulation at P = 2, on both ranks."""
+    sim, _ = simulate_zoadam([p.detach().clone() for p in common.mlp().parameters()], common.grads_at,
+                             world_size=2, steps=common.TRAIN_STEPS, schedule=Schedule(**common.TRAIN),
+                             lr_fn=lambda t: common.LR, weight_decay=0.01, decoupled=True)
+    assert mpi_ranks[1]["sub"] is None
+    for r in (0, 2):
+        sub = mpi_ranks[r]["sub"]
+        assert sub["size"] == 2 and sub["transport"] == "mpi (mpi4py)"
+        for got, want in zip(sub["final"], sim[r // 2]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
