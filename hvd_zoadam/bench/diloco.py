@@ -99,7 +99,7 @@ def main(argv=None):
             sched.step()
             losses.append(loss.item())
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                clock.validate(step, lambda: _val_loss(model, val_batches, None, None, 1, step))  # rank 0's model
+                clock.validate(step, lambda: _val_loss(model, val_batches, None, None, None, 1, step))  # rank 0's model
     elapsed = clock.elapsed()
     syncs = manager.current_step()
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
