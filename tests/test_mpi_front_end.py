@@ -81,8 +81,9 @@ def test_wrong_input_is_refused_by_name_on_every_rank(mpi_ranks):
         assert r["unknown_option"].startswith("TypeError") and "'compression'" in r["unknown_option"]
         assert r["transport"].startswith("ValueError") and "'gloo'" in r["transport"]
         assert r["comm_type"].startswith("TypeError") and "mpi4py intracommunicator" in r["comm_type"]
+        assert r["comm_null"].startswith("ValueError") and "COMM_NULL" in r["comm_null"]
         assert r["root_rank"].startswith("ValueError") and "root_rank" in r["root_rank"]
-        assert r["half_average"].startswith("TypeError") and "float16" in r["half_average"]
+        assert r["int_average"].startswith("TypeError") and "floating-point" in r["int_average"]
         assert r["mismatch"].startswith("ValueError") and "var_freeze_step" in r["mismatch"], r["mismatch"]
 
 
@@ -109,3 +110,20 @@ def test_a_sub_communicator_trains_alone_and_equals_the_simulation(mpi_ranks):
         assert sub["size"] == 2 and sub["transport"] == "mpi (mpi4py)"
         for got, want in zip(sub["final"], sim[r // 2]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_averages_sum_in_rank_order_then_divide_on_every_rank(mpi_ranks):
+    """The reduce-scatter + allgather average: each element is the sum of the ranks' values in
+    rank order, divided by P, in the tensor's own dtype and in place, bit for bit on every
+    rank (the empty tensor included); 2(P-1)/P of the bytes counted."""
+    p = len(mpi_ranks)
+    for key, x in mpi_ranks[0]["average_inputs"].items():
+        want = mpi_ranks[0]["average_inputs"][key].clone()
+        for r in range(1, p):
+            want += mpi_ranks[r]["average_inputs"][key]
+        want /= p
+        for r in mpi_ranks:
+            assert r["averages"][key] is True  # wait() returned the tensor it averaged in place
+            assert torch.equal(r["average_outputs"][key], want), key
+    nbytes = sum(x.numel() * x.element_size() for x in mpi_ranks[0]["average_inputs"].values())
+    assert all(r["average_bytes"] == pytest.approx(2 * (p - 1) / p * nbytes) for r in mpi_ranks)

@@ -123,7 +123,16 @@ class MPIHandle:
     host_recv: torch.Tensor
     device_recv: torch.Tensor | None
     host_send: torch.Tensor
-    divide_by: int = 1  # an allreduce's world size (its SUM becomes the average at wait()), else 1
+
+
+@dataclass
+class AverageHandle:
+    """An :class:`MPICommTransport` average in flight: its first phase (``first``, the alltoall
+    of the P chunks of ``tensor``) started; :meth:`MPICommTransport.wait` runs the rest."""
+
+    first: MPIHandle
+    tensor: torch.Tensor
+    name: str
 
 
 @dataclass
@@ -604,8 +613,6 @@ class MPITransport(HorovodTransport):
             time.sleep(0)
         if handle.device_recv is not None:
             handle.device_recv.copy_(handle.host_recv)
-        if handle.divide_by > 1:
-            handle.recv.div_(handle.divide_by)
         return handle.recv
 
 
@@ -615,10 +622,13 @@ class MPICommTransport(MPITransport):
     node and cross-node communicators :meth:`MPITransport.node_split` makes.
 
     The 1-bit rounds are :class:`MPITransport`'s (``Ialltoall``/``Iallgather``, polled against
-    the deadline); the full-precision average is ``Iallreduce`` (SUM, in place) then a division
-    by the world size, as :mod:`hvd_zoadam.distributed` does over Gloo; the flag travels on a
-    duplicate of ``comm`` made at the first collective (construction runs none). Counts go to
-    ``parent_counter`` too when given.
+    the deadline). The full-precision average is a reduce-scatter and an allgather, each rank
+    summing its chunk of every rank's tensor in rank order and dividing by the world size
+    (:meth:`_start_allreduce`): every rank sends 2(P−1)/P of the bytes, over both directions of
+    each link at once (Open MPI's nonblocking ``Iallreduce`` reduced to a root and broadcast,
+    twice the time at P = 2), and at P = 2 the result equals Horovod's to the last bit. The
+    averages and the flag each travel on a duplicate of ``comm``, both made at the first
+    collective (construction runs none). Counts go to ``parent_counter`` too when given.
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
@@ -650,33 +660,63 @@ class MPICommTransport(MPITransport):
         _mpi_keyed_comms.setdefault(id(self._comm), self._comm)
         return ("comm", id(self._comm))
 
-    def _flag_comm(self):
+    def _side_comms(self) -> tuple:
+        """(the flag's, the averages') duplicates of ``comm``, made together the first time
+        (collective: at every rank's first collective or flag, so in the same place)."""
         key = self._comm_key()
         if key not in _mpi_flag_comms:
-            _mpi_flag_comms[key] = self._comm.Dup()  # collective: every rank's first flag or collective
-        return _mpi_flag_comms[key]
+            _mpi_flag_comms[key] = self._comm.Dup()
+            _mpi_average_comms[key] = self._comm.Dup()
+        return _mpi_flag_comms[key], _mpi_average_comms[key]
+
+    def _flag_comm(self):
+        return self._side_comms()[0]
 
     def _start(self, op, tensor, name):
-        self._flag_comm()  # made before any collective of this communicator is in flight
         if op == "allreduce":
             return self._start_allreduce(tensor, name)
+        self._side_comms()  # made before any collective of this communicator is in flight
         return self._start_on(self._comm, op, tensor, name)
 
     def _start_allreduce(self, tensor, name):
-        """``Iallreduce`` (SUM) of ``tensor`` in place; :meth:`wait` divides by the world size.
-        float32 and float64 only (MPI has no standard half type)."""
-        MPI = self._MPI
-        kind = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}.get(tensor.dtype)
-        if kind is None:
-            raise TypeError(f"hvd_zoadam: the MPI transport averages float32 and float64 tensors, got {tensor.dtype} "
-                            f"('{name}'); Horovod's compression=hvd.Compression.fp16 needs hvd_zoadam.DistributedOptimizer")
+        """The average's first phase: ``tensor`` (floating point, contiguous, left untouched
+        until :meth:`wait`) zero-padded to a multiple of P elements, its P chunks to their
+        ranks (``Ialltoall`` on the averages' communicator). The second phase is issued at
+        :meth:`wait`: every rank starts its averages in one order and waits for them in one
+        order, and on this communicator all of a step's starts come before its waits, as
+        :meth:`Average.all <hvd_zoadam.comm.protocol.Average.all>` and the checkpoint's
+        averages do."""
+        if not tensor.is_floating_point():
+            raise TypeError(f"hvd_zoadam: the average '{name}' takes a floating-point tensor, got {tensor.dtype}")
         if not tensor.is_contiguous():
-            raise ValueError(f"hvd_zoadam: the allreduce '{name}' needs a contiguous tensor")
-        host, _ = self._host(tensor, (name, "allreduce"), send=True)  # a pinned copy where MPI takes no CUDA
-        buf = host.detach().numpy() if host.device.type == "cpu" else host.detach()
-        request = self._comm.Iallreduce(MPI.IN_PLACE, [buf, kind], op=MPI.SUM)
-        return MPIHandle(request, "allreduce", name, self._nbytes(tensor), tensor, host,
-                         tensor if host is not tensor else None, host, divide_by=self.world_size)
+            raise ValueError(f"hvd_zoadam: the average '{name}' needs a contiguous tensor")
+        n, p = tensor.numel(), self.world_size
+        send = torch.zeros(-(-n // p) * p, dtype=tensor.dtype, device=tensor.device)
+        send[:n] = tensor.view(-1)
+        first = self._start_on(self._side_comms()[1], "alltoall", send, f"{name}.scatter")
+        return AverageHandle(first, tensor, name)
+
+    def _finish_average(self, handle: AverageHandle) -> torch.Tensor:
+        """The average's second phase: this rank's chunk summed over the ranks in rank order,
+        the sums allgathered, the average written into the tensor."""
+        received = MPITransport.wait(self, handle.first)
+        chunks = received.view(self.world_size, received.numel() // self.world_size)
+        total = chunks[0].clone()
+        for row in chunks[1:]:
+            total += row
+        gathered = MPITransport.wait(self, self._start_on(self._side_comms()[1], "allgather", total,
+                                                          f"{handle.name}.gather"))
+        tensor = handle.tensor
+        tensor.view(-1).copy_(gathered[:tensor.numel()]).div_(self.world_size)
+        return tensor
+
+    def wait(self, handle):
+        if isinstance(handle, AverageHandle):
+            return self._finish_average(handle)
+        return super().wait(handle)
+
+    def progress(self, handle) -> None:
+        super().progress(handle.first if isinstance(handle, AverageHandle) else handle)
 
     def allgather_object(self, obj, name):
         return [loads_plain(data) for data in self._comm.allgather(pickle.dumps(obj))]  # bytes travel
@@ -693,13 +733,13 @@ def mpi_comm_unavailable_reason(comm) -> str | None:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
     """
     from mpi4py import MPI
+    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:  # what Split gives the ranks it leaves out
+        return "comm is MPI.COMM_NULL: build the optimizer only on the ranks of the communicator it trains with"
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD or comm.Split(...)), "
                         f"got {type(comm).__name__}")
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return "MPI is not initialised (or already finalised); import mpi4py.MPI before building the optimizer"
-    if comm == MPI.COMM_NULL:
-        return "comm is MPI.COMM_NULL: build the optimizer only on the ranks of the communicator it trains with"
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         return ("MPI was initialised below MPI_THREAD_SERIALIZED (mpi4py.rc.thread_level); leave "
                 "mpi4py.rc.thread_level at its default, 'multiple'")
@@ -707,6 +747,7 @@ def mpi_comm_unavailable_reason(comm) -> str | None:
 
 
 _mpi_keyed_comms: dict = {}  # id(communicator) -> the communicator, for MPICommTransport._comm_key
+_mpi_average_comms: dict = {}  # communicator key -> its duplicate that carries MPICommTransport's averages
 _mpi_split_comms = {}  # (communicator key, HVD_ZOADAM_RANKS_PER_NODE) -> (node comm, cross-node comm)
 
 

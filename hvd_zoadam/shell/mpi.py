@@ -3,7 +3,8 @@
 For jobs launched by ``mpirun``, ``srun`` or any MPI launcher that would rather not start
 Horovod. Every collective goes through mpi4py on one communicator (default
 ``MPI.COMM_WORLD``): the 1-bit rounds as under :func:`hvd_zoadam.DistributedOptimizer`'s
-``transport="mpi"``, the full-precision averages of the VARIANCE steps as ``Iallreduce``.
+``transport="mpi"``, the full-precision averages of the VARIANCE steps as a reduce-scatter and
+an allgather of the same kind.
 With no Horovod there is no background thread waking every ``HOROVOD_CYCLE_TIME`` on cores
 the training uses (docs/performance.md measures what that thread costs). The change from a
 Horovod script::
@@ -19,9 +20,10 @@ Horovod script::
 Every 0/1 Adam and 1-bit Adam option has the name and default of
 :func:`hvd_zoadam.distributed.DistributedOptimizer`; ``comm`` (an mpi4py intracommunicator)
 takes the place of a Horovod process set. CUDA tensors go to a CUDA-aware MPI, or through
-pinned host buffers (as ``transport="mpi"`` does). The full-precision average is a sum then a
-division by the world size: at world sizes that are not powers of two its last bit can differ
-from Horovod's (which multiplies by 1/size), as that of :mod:`hvd_zoadam.distributed` can.
+pinned host buffers (as ``transport="mpi"`` does). The full-precision average is a sum in rank
+order then a division by the world size: at P = 2 it equals Horovod's to the last bit; at other
+world sizes its last bit can differ (Horovod's sum follows MPI's algorithm, and it multiplies
+by 1/size), as that of :mod:`hvd_zoadam.distributed` can.
 """
 from __future__ import annotations
 

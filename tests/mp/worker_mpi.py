@@ -1,5 +1,5 @@
 """mpirun worker for the mpi4py front end (no Horovod): refusals by name on every rank, the
-broadcasts, the VARIANCE average's dtype refusal and a sub-communicator. Rank r writes
+transport's averages, the broadcasts and a sub-communicator. Rank r writes
 ``OUT_DIR/rank{r}.pt``."""
 from __future__ import annotations
 
@@ -36,13 +36,27 @@ def scenario_refusals(out):
     out["unknown_option"] = refusal(lambda: zm.DistributedOptimizer(adam(model), compression="fp16"))
     out["transport"] = refusal(lambda: zm.DistributedOptimizer(adam(model), transport="gloo"))
     out["comm_type"] = refusal(lambda: zm.DistributedOptimizer(adam(model), comm="world"))
+    out["comm_null"] = refusal(lambda: zm.DistributedOptimizer(adam(model), comm=MPI.COMM_NULL))
     out["root_rank"] = refusal(lambda: zm.broadcast_parameters(model.state_dict(), root_rank=COMM.Get_size()))
-    out["half_average"] = refusal(lambda: MPICommTransport().allreduce_average_(torch.ones(4, dtype=torch.float16),
-                                                                                "half"))
+    out["int_average"] = refusal(lambda: MPICommTransport().allreduce_average_(torch.ones(4, dtype=torch.int32),
+                                                                               "ints"))
     # ranks that pass different options: the first step's settings check fails on every rank
     opt = zm.DistributedOptimizer(adam(model), model.named_parameters(), var_freeze_step=6 + COMM.Get_rank())
     common.loss_fn(model, 1, COMM.Get_rank()).backward()
     out["mismatch"] = refusal(opt.step)
+
+
+def scenario_averages(out):
+    """The transport's average of tensors of several sizes and dtypes, started together and
+    waited for in order (as a VARIANCE step does), with the bytes counted."""
+    transport = MPICommTransport()
+    inputs = {(n, str(dtype)): common.car_input(n, COMM.Get_rank(), 0, dtype)
+              for n in (0, 1, 5, 1000) for dtype in (torch.float32, torch.float64, torch.float16)}
+    work = {key: x.clone() for key, x in inputs.items()}
+    handles = {key: transport.start("allreduce", x, f"avg.{key[0]}.{key[1]}") for key, x in work.items()}
+    out["averages"] = {key: transport.wait(h) is work[key] for key, h in handles.items()}
+    out["average_inputs"], out["average_outputs"] = inputs, work
+    out["average_bytes"] = sum(transport.counter.bytes_sent.values())
 
 
 def scenario_broadcast(out):
@@ -83,6 +97,7 @@ def scenario_subcomm(out):
 def main():
     out = {"rank": COMM.Get_rank(), "size": COMM.Get_size()}
     scenario_refusals(out)
+    scenario_averages(out)
     scenario_broadcast(out)
     scenario_subcomm(out)
     out["horovod_imported"] = "horovod" in sys.modules
