@@ -72,11 +72,14 @@ def _torch() -> dict:
 
 def _transport_choice(horovod: dict) -> str:
     """What transport="auto" resolves to (it depends on how the job is launched)."""
+    alone = ("torch.distributed when a process group is initialised and Horovod is not (torchrun); mpi (mpi4py "
+             "alone, no Horovod) where mpi4py has initialised MPI and neither is, and always under hvd_zoadam.mpi")
     if not horovod.get("installed"):
-        return "none: Horovod is not installed"
-    return ("mpi (mpi4py) when Horovod runs the MPI controller with MPI_THREAD_MULTIPLE and mpi4py imports "
-            "(mpirun, horovodrun --mpi, srun); gloo (a Gloo group of hvd_zoadam's beside Horovod's) under "
-            "horovodrun --gloo outside elastic jobs, for CPU tensors; otherwise horovod (Horovod's alltoall/allgather)")
+        return alone + "; Horovod is not installed here"
+    return (alone + "; with Horovod: mpi (mpi4py) when Horovod runs the MPI controller with MPI_THREAD_MULTIPLE "
+            "and mpi4py imports (mpirun, horovodrun --mpi, srun); gloo (a Gloo group of hvd_zoadam's beside "
+            "Horovod's) under horovodrun --gloo outside elastic jobs, for CPU tensors; otherwise horovod "
+            "(Horovod's alltoall/allgather)")
 
 
 def _kernels(numba_info: dict, torch_info: dict) -> str:

@@ -30,8 +30,8 @@ from test_multiprocess import (test_a_parameter_without_a_gradient_on_one_rank_o
                                test_overlap_with_backward_gives_the_same_parameters,
                                test_training_matches_simulation_and_syncs_are_bitwise)
 
-from hvd_zoadam import Schedule  # noqa: E402
-from hvd_zoadam.oracle.simulate import simulate_zoadam  # noqa: E402
+from hvd_zoadam import Schedule, padded_numel  # noqa: E402
+from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
 
 FRONT_END = {"HVD_ZOADAM_TEST_FRONT_END": "mpi"}
 
@@ -100,16 +100,24 @@ def test_broadcasts_make_every_rank_the_roots(mpi_ranks):
 
 def test_a_sub_communicator_trains_alone_and_equals_the_simulation(mpi_ranks):
     """Ranks 0 and 2 (the even ranks' ``comm.Split``) train while rank 1 idles: the result is
-    the simulation at P = 2, on both ranks."""
+    the simulation at P = 2, on both ranks; ``compressed_allreduce(process_set=comm)`` is the
+    simulated exchange bit for bit, and refuses Horovod's transport on a communicator."""
     sim, _ = simulate_zoadam([p.detach().clone() for p in common.mlp().parameters()], common.grads_at,
                              world_size=2, steps=common.TRAIN_STEPS, schedule=Schedule(**common.TRAIN),
                              lr_fn=lambda t: common.LR, weight_decay=0.01, decoupled=True)
+    n = 1000
+    we, se = [torch.zeros(padded_numel(n, 2)) for _ in range(2)], [torch.zeros(padded_numel(n, 2) // 2) for _ in range(2)]
+    car = simulate_compressed_allreduce([common.car_input(n, r, 0) for r in range(2)], we, se)
     assert mpi_ranks[1]["sub"] is None
     for r in (0, 2):
         sub = mpi_ranks[r]["sub"]
         assert sub["size"] == 2 and sub["transport"] == "mpi (mpi4py)"
         for got, want in zip(sub["final"], sim[r // 2]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # compressed_allreduce with the communicator as its process set
+        got, got_we, got_se = sub["car"]
+        assert torch.equal(got, car) and torch.equal(got_we, we[r // 2]) and torch.equal(got_se, se[r // 2])
+        assert sub["car_horovod"].startswith("ValueError") and "mpi4py communicator" in sub["car_horovod"]
 
 
 def test_averages_sum_in_rank_order_then_divide_on_every_rank(mpi_ranks):

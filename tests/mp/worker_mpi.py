@@ -89,8 +89,13 @@ def scenario_subcomm(out):
             opt.zero_grad()
             common.loss_fn(model, t, sub.Get_rank()).backward()
             opt.step()
+        n, q = 1000, sub.Get_size()
+        we, se = torch.zeros(hvd_zoadam.padded_numel(n, q)), torch.zeros(hvd_zoadam.padded_numel(n, q) // q)
+        car = hvd_zoadam.compressed_allreduce(common.car_input(n, sub.Get_rank(), 0), we, se, process_set=sub)
         out["sub"] = {"size": sub.Get_size(), "final": [p.detach().clone() for p in model.parameters()],
-                      "transport": opt.comm_stats()["transport"]}
+                      "transport": opt.comm_stats()["transport"], "car": (car, we, se),
+                      "car_horovod": refusal(lambda: hvd_zoadam.compressed_allreduce(
+                          common.car_input(n, 0, 0), we, se, process_set=sub, transport="horovod"))}
     COMM.Barrier()
 
 
