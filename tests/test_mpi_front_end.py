@@ -85,6 +85,11 @@ def test_wrong_input_is_refused_by_name_on_every_rank(mpi_ranks):
         assert r["root_rank"].startswith("ValueError") and "root_rank" in r["root_rank"]
         assert r["int_average"].startswith("TypeError") and "floating-point" in r["int_average"]
         assert r["mismatch"].startswith("ValueError") and "var_freeze_step" in r["mismatch"], r["mismatch"]
+        assert r["bcast_comm"].startswith("TypeError") and "mpi4py intracommunicator" in r["bcast_comm"]
+        assert r["bcast_null"].startswith("ValueError") and "COMM_NULL" in r["bcast_null"]
+        assert r["comm_and_transport"].startswith("ValueError") and "not both" in r["comm_and_transport"]
+        assert r["state_mismatch"].startswith("ValueError") and "different state tensors" in r["state_mismatch"]
+        assert r["ranks_on_host_env"] == r["ranks_on_host_split"] == 3  # one host
 
 
 def test_broadcasts_make_every_rank_the_roots(mpi_ranks):

@@ -3,6 +3,7 @@ runs (Horovod with the MPI or the Gloo controller, a ``torch.distributed`` proce
 MPI through mpi4py alone)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -107,17 +108,31 @@ def _mpi_only() -> bool:
 
 def mpi_alone_transport(comm) -> MPICommTransport:
     """:class:`MPICommTransport` on ``comm`` (None: ``MPI.COMM_WORLD``), with the CPU kernels'
-    threads shared among ``comm``'s ranks on this host (one ``Split_type`` over ``comm``, the
-    first time only)."""
+    threads shared among the ranks on this host (:func:`ranks_on_this_host`)."""
     from hvd_zoadam import native
     transport = MPICommTransport(comm)
+    native.configure_threads(ranks_on_this_host(transport))
+    return transport
+
+
+LOCAL_SIZE_ENV = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # Open MPI's; MPICH's and Intel MPI's
+
+
+def ranks_on_this_host(transport: MPICommTransport) -> int:
+    """The job's ranks on this host, as the MPI launcher tells them (:data:`LOCAL_SIZE_ENV`:
+    no collective, and every rank of the job counts, whatever communicator it trains on);
+    otherwise ``transport``'s ranks on this host, by one ``Split_type`` over its communicator
+    the first time (collective over it)."""
+    for name in LOCAL_SIZE_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
     key = transport._comm_key()
     if key not in _ranks_on_host:
         node = transport._comm.Split_type(transport._MPI.COMM_TYPE_SHARED, key=transport.rank)
         _ranks_on_host[key] = node.Get_size()
         node.Free()
-    native.configure_threads(_ranks_on_host[key])
-    return transport
+    return _ranks_on_host[key]
 
 
 _ranks_on_host: dict = {}  # communicator key -> its ranks on this host

@@ -575,14 +575,17 @@ class MPITransport(HorovodTransport):
             return self._start_horovod(op, tensor, name)
         return self._start_on(self._world_comm(), op, tensor, name)
 
-    def _start_on(self, comm, op, tensor, name):
+    def _start_on(self, comm, op, tensor, name, stage=None):
+        """Start ``op`` on ``comm``. ``stage``: the key of the pinned host buffers that stage
+        CUDA tensors for an MPI that takes none (default ``name``: several collectives can be in
+        flight at once); one key for collectives that are never in flight together."""
         MPI = self._MPI
         send = tensor.contiguous()
         numel = self.world_size * send.numel() if op == "allgather" else send.numel()
         recv = torch.empty(numel, dtype=send.dtype, device=send.device)
-        # Staging buffers are keyed by name: several collectives can be in flight at once.
-        host_send, _ = self._host(send, (name, "send"), send=True)
-        host_recv, device_recv = self._host(recv, (name, "recv"), send=False)
+        key = name if stage is None else stage
+        host_send, _ = self._host(send, (key, "send"), send=True)
+        host_recv, device_recv = self._host(recv, (key, "recv"), send=False)
         sbuf, rbuf = [self._buf(host_send), MPI.BYTE], [self._buf(host_recv), MPI.BYTE]
         request = (comm.Iallgather if op == "allgather" else comm.Ialltoall)(sbuf, rbuf)
         return MPIHandle(request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
@@ -661,13 +664,15 @@ class MPICommTransport(MPITransport):
         return ("comm", id(self._comm))
 
     def _side_comms(self) -> tuple:
-        """(the flag's, the averages') duplicates of ``comm``, made together the first time
-        (collective: at every rank's first collective or flag, so in the same place)."""
+        """(the flag's, the averages' first phase's, their second phase's) duplicates of
+        ``comm``, made together the first time (collective: at every rank's first collective
+        or flag, so in the same place). Each phase on a communicator of its own: the ranks
+        need only start their averages in one order and wait for them in one order."""
         key = self._comm_key()
         if key not in _mpi_flag_comms:
             _mpi_flag_comms[key] = self._comm.Dup()
-            _mpi_average_comms[key] = self._comm.Dup()
-        return _mpi_flag_comms[key], _mpi_average_comms[key]
+            _mpi_average_comms[key] = (self._comm.Dup(), self._comm.Dup())
+        return (_mpi_flag_comms[key], *_mpi_average_comms[key])
 
     def _flag_comm(self):
         return self._side_comms()[0]
@@ -681,11 +686,9 @@ class MPICommTransport(MPITransport):
     def _start_allreduce(self, tensor, name):
         """The average's first phase: ``tensor`` (floating point, contiguous, left untouched
         until :meth:`wait`) zero-padded to a multiple of P elements, its P chunks to their
-        ranks (``Ialltoall`` on the averages' communicator). The second phase is issued at
-        :meth:`wait`: every rank starts its averages in one order and waits for them in one
-        order, and on this communicator all of a step's starts come before its waits, as
-        :meth:`Average.all <hvd_zoadam.comm.protocol.Average.all>` and the checkpoint's
-        averages do."""
+        ranks (``Ialltoall`` on the first phase's communicator). The second phase is issued at
+        :meth:`wait`, on a communicator of its own: every rank must start its averages in one
+        order and wait for them in one order, as every collective of an ordered transport."""
         if not tensor.is_floating_point():
             raise TypeError(f"hvd_zoadam: the average '{name}' takes a floating-point tensor, got {tensor.dtype}")
         if not tensor.is_contiguous():
@@ -704,8 +707,8 @@ class MPICommTransport(MPITransport):
         total = chunks[0].clone()
         for row in chunks[1:]:
             total += row
-        gathered = MPITransport.wait(self, self._start_on(self._side_comms()[1], "allgather", total,
-                                                          f"{handle.name}.gather"))
+        gathered = MPITransport.wait(self, self._start_on(self._side_comms()[2], "allgather", total,
+                                                          f"{handle.name}.gather", stage="average.gather"))
         tensor = handle.tensor
         tensor.view(-1).copy_(gathered[:tensor.numel()]).div_(self.world_size)
         return tensor
@@ -747,7 +750,7 @@ def mpi_comm_unavailable_reason(comm) -> str | None:
 
 
 _mpi_keyed_comms: dict = {}  # id(communicator) -> the communicator, for MPICommTransport._comm_key
-_mpi_average_comms: dict = {}  # communicator key -> its duplicate that carries MPICommTransport's averages
+_mpi_average_comms: dict = {}  # communicator key -> its two duplicates for MPICommTransport's averages' phases
 _mpi_split_comms = {}  # (communicator key, HVD_ZOADAM_RANKS_PER_NODE) -> (node comm, cross-node comm)
 
 

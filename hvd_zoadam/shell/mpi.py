@@ -27,10 +27,13 @@ by 1/size), as that of :mod:`hvd_zoadam.distributed` can.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from hvd_zoadam.comm.transport import Transport
-from hvd_zoadam.shell.torch_distributed import KNOBS, broadcast_state, broadcast_tensors, build_without_horovod
+from hvd_zoadam.comm.transport import Transport, mpi_comm_unavailable_reason
+from hvd_zoadam.shell.torch_distributed import (KNOBS, refuse_ddp, broadcast_state, broadcast_tensors,
+                                               build_without_horovod)
 
 __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -63,8 +66,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options)
     Raises:
         TypeError: an option that :func:`hvd_zoadam.distributed.DistributedOptimizer` does not
             take (named), ``comm`` not an mpi4py intracommunicator, or as that function.
-        ValueError: as :func:`hvd_zoadam.distributed.DistributedOptimizer`; also when MPI is
-            not initialised or runs below ``MPI_THREAD_SERIALIZED``, each naming the fix.
+        ValueError: as :func:`hvd_zoadam.distributed.DistributedOptimizer` (a model wrapped
+            in ``DistributedDataParallel`` included); also for ``comm`` together with a
+            Transport, ``MPI.COMM_NULL``, or MPI not initialised or below
+            ``MPI_THREAD_SERIALIZED``, each naming the fix.
     """
     unknown = sorted(set(options) - set(KNOBS))
     if unknown:
@@ -72,9 +77,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options)
                         f"those of hvd_zoadam.distributed.DistributedOptimizer: {', '.join(KNOBS)}")
     knobs = {**KNOBS, **options}
     transport = knobs["transport"]
-    if transport not in ("auto", "mpi") and not isinstance(transport, Transport):
+    if isinstance(transport, Transport):
+        if comm is not None:
+            raise ValueError("pass comm or a Transport instance as transport, not both: the transport "
+                             "brings its own ranks")
+    elif transport not in ("auto", "mpi"):
         raise ValueError(f"transport must be 'auto' or 'mpi' here (or a Transport instance), got {transport!r}; "
                          "for Horovod's collectives use hvd_zoadam.DistributedOptimizer")
+    refuse_ddp(optimizer)
 
     def resolve():
         if isinstance(transport, Transport):
@@ -100,10 +110,10 @@ def broadcast_parameters(params, root_rank: int = 0, comm=None) -> None:
     Collective over ``comm``.
 
     Raises:
-        ValueError: ``root_rank`` outside ``comm``.
+        TypeError, ValueError: ``comm`` is not a usable intracommunicator, or ``root_rank`` is
+            not one of its ranks.
     """
-    comm = _comm(comm)
-    _check_root(root_rank, comm)
+    comm = _checked_comm(comm, root_rank)
     broadcast_tensors(params, lambda tensor: _bcast_tensor(comm, tensor, root_rank))
 
 
@@ -114,13 +124,14 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
     Collective over ``comm``.
 
     Raises:
-        ValueError: ``root_rank`` outside ``comm``, or the ranks' optimizers hold different
-            state layouts (both named).
+        TypeError, ValueError: as :func:`broadcast_parameters`; ValueError on every rank when
+            the ranks' optimizers hold different state layouts (the root's and this rank's named).
     """
-    comm = _comm(comm)
-    _check_root(root_rank, comm)
+    from mpi4py import MPI
+    comm = _checked_comm(comm, root_rank)
     broadcast_state(optimizer, root_rank, lambda obj: comm.bcast(obj, root=root_rank),
-                    lambda tensor: _bcast_tensor(comm, tensor, root_rank))
+                    lambda tensor: _bcast_tensor(comm, tensor, root_rank),
+                    lambda ok: comm.allreduce(ok, op=MPI.LAND))
 
 
 def _comm(comm):
@@ -129,10 +140,18 @@ def _comm(comm):
     return MPI.COMM_WORLD if comm is None else comm
 
 
-def _check_root(root_rank: int, comm) -> None:
-    if not isinstance(root_rank, int) or not 0 <= root_rank < comm.Get_size():
+def _checked_comm(comm, root_rank):
+    """``comm`` (None: ``MPI.COMM_WORLD``), refused by name as :class:`MPICommTransport` refuses
+    it, and ``root_rank`` one of its ranks (any integer type but bool)."""
+    comm = _comm(comm)
+    reason = mpi_comm_unavailable_reason(comm)
+    if reason is not None:
+        raise ValueError(f"hvd_zoadam.mpi: {reason}")
+    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral) \
+            or not 0 <= root_rank < comm.Get_size():
         raise ValueError(f"root_rank must be a rank of the communicator (0 to {comm.Get_size() - 1}), "
                          f"got {root_rank!r}")
+    return comm
 
 
 def _bcast_tensor(comm, tensor: torch.Tensor, root_rank: int) -> None:

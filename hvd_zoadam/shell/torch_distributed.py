@@ -72,7 +72,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
                          f"{transport!r}; for Horovod's collectives use hvd_zoadam.DistributedOptimizer")
     if named_parameters is not None:
         named_parameters = list(named_parameters)
-    _refuse_ddp(optimizer)
+    refuse_ddp(optimizer)
 
     def resolve():
         if isinstance(transport, Transport):
@@ -110,7 +110,7 @@ def OnebitAdam(optimizer, named_parameters=None, process_group=None, *, freeze_s
                                 var_freeze_step=freeze_step, **kwargs)
 
 
-def _refuse_ddp(optimizer) -> None:
+def refuse_ddp(optimizer) -> None:
     """ValueError when a parameter of ``optimizer`` belongs to a live ``DistributedDataParallel``."""
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -153,8 +153,14 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None)
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=process_group)
         return box[0]
+
+    def all_agree(ok: bool) -> bool:
+        on = "cuda" if str(dist.get_backend(process_group)).lower() == "nccl" else "cpu"
+        flag = torch.tensor([int(ok)], device=on)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
+        return bool(flag.item())
     broadcast_state(optimizer, root_rank, broadcast_object,
-                    lambda tensor: dist.broadcast(tensor, src=src, group=process_group))
+                    lambda tensor: dist.broadcast(tensor, src=src, group=process_group), all_agree)
 
 
 def broadcast_tensors(params, broadcast) -> None:
@@ -167,23 +173,25 @@ def broadcast_tensors(params, broadcast) -> None:
                 broadcast(tensor)
 
 
-def broadcast_state(optimizer, root_rank: int, broadcast_object, broadcast) -> None:
+def broadcast_state(optimizer, root_rank: int, broadcast_object, broadcast, all_agree) -> None:
     """:func:`broadcast_optimizer_state` over any collective: ``broadcast_object(obj)``
-    returns the root's plain object (param groups and state keys, pickled by this job's own
-    root rank), ``broadcast(tensor)`` makes one tensor the root's in place.
+    returns the root's plain object (param groups and each state tensor's key, shape and
+    dtype, pickled by this job's own root rank), ``broadcast(tensor)`` makes one tensor the root's in place, ``all_agree(ok)``
+    is whether ``ok`` holds on every rank.
 
     Raises:
-        ValueError: the ranks' optimizers hold different state layouts (both named).
+        ValueError: on every rank, the root included, when the ranks' optimizers hold
+            different state layouts (the root's and this rank's named).
     """
     state = optimizer.state_dict()
-    keys = [(pid, k) for pid in sorted(state["state"]) for k in sorted(state["state"][pid])
-            if isinstance(state["state"][pid][k], torch.Tensor)]
+    keys = [(pid, k, tuple(v.shape), str(v.dtype)) for pid in sorted(state["state"])
+            for k, v in sorted(state["state"][pid].items()) if isinstance(v, torch.Tensor)]
     root_groups, root_keys = broadcast_object((state["param_groups"], keys))
-    if root_keys != keys:
-        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer holds the state tensors "
-                         f"{root_keys[:4]}..., this rank's {keys[:4]}...: build the same model and optimizer on "
-                         "every rank")
+    if not all_agree(root_keys == keys):
+        raise ValueError(f"broadcast_optimizer_state: the ranks' optimizers hold different state tensors (rank "
+                         f"{root_rank}'s {root_keys[:4]}..., this rank's {keys[:4]}...): build the same model and "
+                         "optimizer on every rank")
     with torch.no_grad():
-        for pid, k in keys:
+        for pid, k, _, _ in keys:
             broadcast(state["state"][pid][k])
     optimizer.load_state_dict({"state": state["state"], "param_groups": root_groups})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -38,6 +39,21 @@ def scenario_refusals(out):
     out["comm_type"] = refusal(lambda: zm.DistributedOptimizer(adam(model), comm="world"))
     out["comm_null"] = refusal(lambda: zm.DistributedOptimizer(adam(model), comm=MPI.COMM_NULL))
     out["root_rank"] = refusal(lambda: zm.broadcast_parameters(model.state_dict(), root_rank=COMM.Get_size()))
+    out["bcast_comm"] = refusal(lambda: zm.broadcast_parameters(model.state_dict(), comm="world"))
+    out["bcast_null"] = refusal(lambda: zm.broadcast_optimizer_state(adam(model), comm=MPI.COMM_NULL))
+    out["comm_and_transport"] = refusal(lambda: zm.DistributedOptimizer(adam(model), comm=COMM,
+                                                                        transport=MPICommTransport()))
+    # a layout mismatch in broadcast_optimizer_state: refused on every rank, the root included
+    other = torch.nn.Linear(6, 3 + (COMM.Get_rank() == 2))
+    inner = torch.optim.AdamW(other.parameters())
+    other(torch.ones(1, 6)).sum().backward()
+    inner.step()
+    out["state_mismatch"] = refusal(lambda: zm.broadcast_optimizer_state(inner, root_rank=0))
+    from hvd_zoadam.comm.select import LOCAL_SIZE_ENV, ranks_on_this_host
+    out["ranks_on_host_env"] = ranks_on_this_host(MPICommTransport())
+    saved = {name: os.environ.pop(name) for name in LOCAL_SIZE_ENV if name in os.environ}
+    out["ranks_on_host_split"] = ranks_on_this_host(MPICommTransport())  # Split_type over the communicator
+    os.environ.update(saved)
     out["int_average"] = refusal(lambda: MPICommTransport().allreduce_average_(torch.ones(4, dtype=torch.int32),
                                                                                "ints"))
     # ranks that pass different options: the first step's settings check fails on every rank
@@ -63,7 +79,7 @@ def scenario_broadcast(out):
     """Parameters and AdamW's state from rank 1 (every rank starts elsewhere), in place."""
     root = 1
     model = common.mlp(seed=100 + COMM.Get_rank())
-    zm.broadcast_parameters(model.state_dict(), root_rank=root)
+    zm.broadcast_parameters(model.state_dict(), root_rank=np.int64(root))  # any integer type
     out["params"] = [p.detach().clone() for p in model.parameters()]
     inner = adam(model)
     for t in range(1, 3 + COMM.Get_rank()):  # the ranks' states differ in their step counts
