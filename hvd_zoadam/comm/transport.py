@@ -630,8 +630,9 @@ class MPICommTransport(MPITransport):
     (:meth:`_start_allreduce`): every rank sends 2(P−1)/P of the bytes, over both directions of
     each link at once (Open MPI's nonblocking ``Iallreduce`` reduced to a root and broadcast,
     twice the time at P = 2), and at P = 2 the result equals Horovod's to the last bit. The
-    averages and the flag each travel on a duplicate of ``comm``, both made at the first
-    collective (construction runs none). Counts go to ``parent_counter`` too when given.
+    flag and each phase of the averages travel on duplicates of ``comm`` of their own, made
+    together at the first collective (construction runs none). Counts go to
+    ``parent_counter`` too when given.
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
