@@ -94,6 +94,32 @@ def scenario_broadcast(out):
     out["lr"] = inner.param_groups[0]["lr"]
 
 
+def scenario_checkpoint(out):
+    """Save inside a window of local steps, go on to the end; then a fresh model and optimizer
+    load the checkpoint and take the same steps: the same parameters to the last bit."""
+    from hvd_zoadam import checkpoint
+
+    def build():
+        model = common.mlp()
+        return model, zm.DistributedOptimizer(adam(model), model.named_parameters(), **common.TRAIN)
+
+    def run(model, opt, first, last):
+        for t in range(first, last + 1):
+            opt.zero_grad()
+            common.loss_fn(model, t, COMM.Get_rank()).backward()
+            opt.step()
+    prefix, saved_at = os.path.join(sys.argv[1], "ckpt"), 15
+    model, opt = build()
+    run(model, opt, 1, saved_at)
+    out["ckpt_kind_after"] = opt._next_kind()[1].value
+    checkpoint.save(prefix, model, opt, step=saved_at)
+    run(model, opt, saved_at + 1, common.CKPT_STEPS)
+    model2, opt2 = build()
+    extra = checkpoint.load(prefix, model2, opt2)
+    run(model2, opt2, extra["step"] + 1, common.CKPT_STEPS)
+    out["ckpt_equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
 def scenario_subcomm(out):
     """0/1 Adam on the even ranks' communicator only, with the odd ranks idle."""
     sub = COMM.Split(color=COMM.Get_rank() % 2, key=COMM.Get_rank())
@@ -120,6 +146,7 @@ def main():
     scenario_refusals(out)
     scenario_averages(out)
     scenario_broadcast(out)
+    scenario_checkpoint(out)
     scenario_subcomm(out)
     out["horovod_imported"] = "horovod" in sys.modules
     torch.save(out, os.path.join(sys.argv[1], f"rank{COMM.Get_rank()}.pt"))
