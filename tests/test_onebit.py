@@ -114,15 +114,19 @@ def test_zoadam_knobs_are_refused_under_onebit():
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), algorithm="2bit")
 
 
-@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
-def test_onebit_adam_in_a_real_job(launcher, tmp_path):
-    """horovodrun --gloo -np 2 / mpirun -np 2: equal to hvd.DistributedOptimizer(Adam) up to the freeze
-    (float tolerance), identical on both ranks after every step, and a NaN on one rank at a
-    compressed step skips that step on both."""
+@pytest.mark.parametrize("launcher,front_end", [("gloo", None), ("mpi", None), ("mpi", "mpi")],
+                         ids=["gloo", "mpi", "mpi-alone"])
+def test_onebit_adam_in_a_real_job(launcher, front_end, tmp_path):
+    """horovodrun --gloo -np 2 / mpirun -np 2, and mpirun -np 2 through hvd_zoadam.mpi.OnebitAdam
+    without Horovod: equal to data-parallel Adam up to the freeze (float tolerance), identical on
+    both ranks after every step, and a NaN on one rank at a compressed step skips that step on both."""
     from conftest import load_ranks, run_job
-    run_job(launcher, 2, ["tests/mp/worker_onebit.py", str(tmp_path)])
+    run_job(launcher, 2, ["tests/mp/worker_onebit.py", str(tmp_path)],
+            env={"HVD_ZOADAM_TEST_FRONT_END": front_end} if front_end else None)
     ranks = load_ranks(tmp_path, 2)
     for r in ranks:
+        assert r["horovod_imported"] is (front_end is None)
+        assert r["stats"]["transport"].startswith("mpi" if launcher == "mpi" else "gloo")
         assert r["adam_diff"] < 1e-6
         assert all(torch.equal(a, b) for a, b in zip(r["params"][6], r["params"][5]))  # step 7 skipped
         assert not all(torch.equal(a, b) for a, b in zip(r["params"][7], r["params"][6]))

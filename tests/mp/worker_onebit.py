@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import sys
 
-import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
+
+hvd, _, _ = common.front_end()  # Horovod, or mpi4py alone with HVD_ZOADAM_TEST_FRONT_END=mpi
+ONEBIT = hvd_zoadam.mpi.OnebitAdam if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "mpi" else hvd_zoadam.OnebitAdam
 
 FREEZE, STEPS, NAN_AT = 4, 10, 7
 
@@ -25,8 +27,7 @@ def main():
     torch.set_num_threads(1)
     rank = hvd.rank()
     ours, theirs = common.mlp(), common.mlp()
-    opt = hvd_zoadam.OnebitAdam(torch.optim.Adam(ours.parameters(), lr=1e-2), ours.named_parameters(),
-                                freeze_step=FREEZE)
+    opt = ONEBIT(torch.optim.Adam(ours.parameters(), lr=1e-2), ours.named_parameters(), freeze_step=FREEZE)
     ref = hvd.DistributedOptimizer(torch.optim.Adam(theirs.parameters(), lr=1e-2),
                                    named_parameters=[("ref." + n, p) for n, p in theirs.named_parameters()])
     res = {"adam_diff": 0.0, "params": []}
@@ -45,6 +46,7 @@ def main():
             res["adam_diff"] = max(res["adam_diff"], max((a - b).abs().max().item()
                                                          for a, b in zip(ours.parameters(), theirs.parameters())))
     res["stats"] = opt.comm_stats()
+    res["horovod_imported"] = "horovod" in sys.modules
     torch.save(res, os.path.join(sys.argv[1], f"rank{rank}.pt"))
 
 
