@@ -28,12 +28,14 @@ def bench(*args, timeout_s=600):
 def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
     rep = bench("network", "--rate", "1gbit", "--steps", "8", "--warmup", "3", "--skip", "1", "--png", str(png),
-                "--eval-every", "4", "--breakdown", "--runs", ",".join([*DEFAULT_RUNS, "compute-horovod", "zoadam-mpi"]),
+                "--eval-every", "4", "--breakdown", "--runs", ",".join([*DEFAULT_RUNS, "compute-horovod", "compute-lockstep",
+                                                                    "zoadam-mpi"]),
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
     assert set(runs) == {"adam", "adam-fp16", "zoadam", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd",
-                         "ddp-localsgd", "compute", "compute-horovod", "onebit", "diloco-h8", "diloco-h32"}
+                         "ddp-localsgd", "compute", "compute-horovod", "compute-lockstep", "onebit", "diloco-h8",
+                         "diloco-h32"}
     for name, r in runs.items():
         assert r["ok"], (name, r.get("error"))
         assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["world_size"] == 2
@@ -88,6 +90,18 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     h = runs["compute-horovod"]  # the same with Horovod started: its ceiling, taken the same way
     assert len(h["steps_per_s_by_rank"]) == 2 and h["steps_per_s"] == min(h["steps_per_s_by_rank"])
     assert "rounds" not in h and ratios["zoadam_steps_per_s_vs_compute-horovod"] == z["steps_per_s"] / h["steps_per_s"]
+    lock = runs["compute-lockstep"]  # paced by its allreduce: rank 0's speed is the job's
+    assert "steps_per_s_by_rank" not in lock and lock["wire_bytes_sent_per_rank"] < 0.05 * runs["adam"][
+        "wire_bytes_sent_per_rank"]
+    assert ratios["compute_lockstep_steps_per_s_vs_compute"] == lock["steps_per_s"] / runs["compute"]["steps_per_s"]
+    assert ratios["compute_horovod_steps_per_s_vs_compute"] == h["steps_per_s"] / runs["compute"]["steps_per_s"]
+    assert ratios["zoadam_steps_per_s_vs_compute-lockstep"] == z["steps_per_s"] / lock["steps_per_s"]
+    assert ratios["zoadam_mpi_steps_per_s_vs_compute-lockstep"] == runs["zoadam-mpi"]["steps_per_s"] / lock[
+        "steps_per_s"]
+    # every timed step's one allreduce is recorded and split into wire and the wait for the other rank
+    parts = lock["breakdown"]["step"]
+    assert parts["steps"] == 7 and set(parts["wire_by_op"]) == {"allreduce"}
+    assert parts["wire"] + parts["waiting_for_slowest"] > 0 and runs["compute"]["breakdown"]["step"]["wire"] == 0
     # the cores rank 0's threads used over the timed span, in clock ticks: over a span this short
     # one run may see no tick of its training thread (a busy machine), all of them together do
     cores = {name: r["cpu_cores"] for name, r in runs.items() if not name.startswith("diloco")}
@@ -100,7 +114,8 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     # --breakdown: the timed steps (after --skip 1) of each kind, split into parts
     assert {k: v["steps"] for k, v in z["breakdown"].items()} == {
         "variance": 1, "compressed": 1, **{k: n for k, n in z["kinds"].items() if k in ("local", "sync") and n}}
-    for name in ("zoadam", "zoadam-torchrun", "zoadam-mpi", "adam", "compute", "ddp-powersgd", "onebit"):
+    for name in ("zoadam", "zoadam-torchrun", "zoadam-mpi", "adam", "compute", "compute-lockstep", "ddp-powersgd",
+                 "onebit"):
         for kind, parts in runs[name]["breakdown"].items():
             assert parts["waiting_for_slowest"] >= 0 and parts["wire"] >= -1e-9, (name, kind)
             assert sum(parts[k] for k in parts if k not in ("steps", "wall", "wire_by_op")) == pytest.approx(

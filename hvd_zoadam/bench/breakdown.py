@@ -68,7 +68,7 @@ class Breakdown:
         self._begin = 0.0
         self._undo: list = []
         self._thread = threading.get_ident()  # the thread whose steps are timed (begin_step's)
-        self._recording = True  # False inside the flag's own record
+        self._recording = True  # False inside collective(): its calls are in its record
 
     # -- exclusive timing ---------------------------------------------------------------------
     def _enter(self, label: str) -> None:
@@ -93,6 +93,24 @@ class Breakdown:
             yield
         finally:
             self._exit()
+
+    @contextlib.contextmanager
+    def collective(self, op: str, name: str):
+        """A context manager timing its body as one blocking collective ``op`` named ``name``:
+        ``wire``, and a record that :func:`split_waits` pairs across the ranks (so the wait for
+        the last rank becomes ``waiting_for_slowest``). Collectives started inside it through
+        an installed transport are not recorded again. Every rank must enter the same ones in
+        the same order."""
+        self._enter("wire")
+        record = [self._step, op, name, self._last, []]
+        self.collectives.append(record)
+        recording, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = recording
+            self._exit()
+            record[4].append([record[3], self._last])
 
     def _timed(self, fn, label: str):
         @functools.wraps(fn)
@@ -151,16 +169,8 @@ class Breakdown:
 
         def timed_flag(tensor, name):
             # one record for the flag, whatever start/wait calls the transport makes inside
-            self._enter("wire")
-            record = [self._step, "flag", name, self._last, []]
-            self.collectives.append(record)
-            self._recording = False
-            try:
+            with self.collective("flag", name):
                 return flag(tensor, name)
-            finally:
-                self._recording = True
-                self._exit()
-                record[4].append([record[3], self._last])
 
         def timed_wait(handle):
             record = self._handles.pop(id(handle), None)

@@ -11,7 +11,9 @@
   :mod:`hvd_zoadam.mpi` over mpi4py alone, ``zoadam-mpi``: no Horovod started), (d) DDP + PowerSGD over gloo,
   (e) DDP + post-local SGD (PeriodicModelAverager), (f) compute only (its slowest rank:
   no collective paces its ranks, and the slowest one paces a data-parallel job; on request
-  also with Horovod started, ``compute-horovod``, the ceiling of a Horovod job). Ranks run
+  also with Horovod started, ``compute-horovod``, the ceiling of a Horovod job, and held in
+  step by an 8-byte allreduce after every step, ``compute-lockstep``, the ceiling of any
+  synchronous job: each step waits for the slower rank). Ranks run
   unbound (``--bind-to none``), one torch/Numba thread each. Per run: steps/s
   (after the first ``--skip`` steps), bytes each rank put on its link (the veth's TX
   counter, so every system is measured alike, TCP/IP headers included), the run's own
@@ -58,11 +60,12 @@ RUN_LABELS = {
     "ddp-localsgd": "(e) DDP + post-local SGD",
     "compute": "(f) compute only",
     "compute-horovod": "(f) compute only, Horovod started",
+    "compute-lockstep": "(f) compute only, ranks in lockstep",
     "onebit": "(g) hvd_zoadam 1-bit Adam",
     "diloco-h8": "(h) torchft DiLoCo, H = 8",
     "diloco-h32": "(h) torchft DiLoCo, H = 32",
 }
-DEFAULT_RUNS = [run for run in RUN_LABELS if run not in ("compute-horovod", "zoadam-mpi")]
+DEFAULT_RUNS = [run for run in RUN_LABELS if run not in ("compute-horovod", "compute-lockstep", "zoadam-mpi")]
 
 
 # -- network ---------------------------------------------------------------------------------
@@ -179,17 +182,33 @@ def _breakdown(workdir: Path, run: str, world_size: int, skip: int) -> dict:
     return _breakdown_mod.table(rows, world_size)
 
 
+CEILINGS = ("compute", "compute-horovod", "compute-lockstep")
+
+
+def _speed_ratios(out: dict, prefix: str, run: dict, by: dict, others) -> None:
+    """``out[f"{prefix}_steps_per_s_vs_{other}"]`` (and ``_steady_``) of ``run`` against each of
+    ``others`` that ran."""
+    for other in others:
+        if other in by:
+            out[f"{prefix}_steps_per_s_vs_{other}"] = run["steps_per_s"] / by[other]["steps_per_s"]
+            if run.get("steady_steps_per_s") and by[other].get("steady_steps_per_s"):
+                out[f"{prefix}_steady_steps_per_s_vs_{other}"] = \
+                    run["steady_steps_per_s"] / by[other]["steady_steps_per_s"]
+
+
 def _ratios(results: list) -> dict:
     by = {r["run"]: r for r in results if r.get("ok")}
-    z = by.get("zoadam")
+    z, m = by.get("zoadam"), by.get("zoadam-mpi")
     out = {}
-    if z:
-        for other in ("adam", "adam-fp16", "ddp-powersgd", "ddp-localsgd", "compute", "compute-horovod"):
+    if "compute" in by:  # what each ceiling's own cost takes from the bare compute
+        for other in CEILINGS[1:]:
             if other in by:
-                out[f"zoadam_steps_per_s_vs_{other}"] = z["steps_per_s"] / by[other]["steps_per_s"]
-                if z.get("steady_steps_per_s") and by[other].get("steady_steps_per_s"):
-                    out[f"zoadam_steady_steps_per_s_vs_{other}"] = \
-                        z["steady_steps_per_s"] / by[other]["steady_steps_per_s"]
+                out[f"{other.replace('-', '_')}_steps_per_s_vs_compute"] = \
+                    by[other]["steps_per_s"] / by["compute"]["steps_per_s"]
+    if m:  # the same optimizer over mpi4py alone: no Horovod started
+        _speed_ratios(out, "zoadam_mpi", m, by, CEILINGS)
+    if z:
+        _speed_ratios(out, "zoadam", z, by, ("adam", "adam-fp16", "ddp-powersgd", "ddp-localsgd", *CEILINGS))
         if "adam" in by:
             out["zoadam_wire_bytes_vs_adam"] = z["wire_bytes_sent_per_rank"] / by["adam"]["wire_bytes_sent_per_rank"]
         t = by.get("zoadam-torchrun")
@@ -201,18 +220,11 @@ def _ratios(results: list) -> dict:
                 [v for _, _, v in t["val_curve"]] == [v for _, _, v in z["val_curve"]]
             if "compute" in by:  # no Horovod in either: the ceiling of a torchrun job
                 out["zoadam_torchrun_steps_per_s_vs_compute"] = t["steps_per_s"] / by["compute"]["steps_per_s"]
-        m = by.get("zoadam-mpi")
-        if m:  # the same optimizer over mpi4py alone: no Horovod started
+        if m:
             out["zoadam_mpi_steps_per_s_vs_zoadam"] = m["steps_per_s"] / z["steps_per_s"]
             out["zoadam_mpi_val_curve_equal_to_zoadam"] = \
                 [v for _, _, v in m["val_curve"]] == [v for _, _, v in z["val_curve"]]
             out["zoadam_mpi_final_loss_equal_to_zoadam"] = m["final_loss"] == z["final_loss"]
-            for other in ("compute", "compute-horovod"):
-                if other in by:
-                    out[f"zoadam_mpi_steps_per_s_vs_{other}"] = m["steps_per_s"] / by[other]["steps_per_s"]
-                    if m.get("steady_steps_per_s") and by[other].get("steady_steps_per_s"):
-                        out[f"zoadam_mpi_steady_steps_per_s_vs_{other}"] = \
-                            m["steady_steps_per_s"] / by[other]["steady_steps_per_s"]
         if "onebit" in by:  # the paper's own comparison, over the same steps
             o = by["onebit"]
             out["zoadam_wire_bytes_vs_onebit"] = z["wire_bytes_sent_per_rank"] / o["wire_bytes_sent_per_rank"]
@@ -793,7 +805,7 @@ def main(argv=None) -> int:
                      help="validation loss on one fixed held-out set every k steps (0: never); with the adam "
                           "run the report gives each system's time to Adam's quality at 2/3 of the steps")
     net.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"subset of {','.join(RUN_LABELS)} "
-                                                                    f"(default: all but compute-horovod and zoadam-mpi)")
+                                                                    f"(default: all but compute-horovod, compute-lockstep and zoadam-mpi)")
     net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                      help="extra worker flags, e.g. --n-layer 1 --n-embd 64, or 0/1 Adam's --var-update-scaler 8 "

@@ -24,6 +24,10 @@ Runs (``--run``):
   compute-horovod
                 the same as compute with Horovod started (hvd.init(): its background thread runs,
                 no collective in the steps): the ceiling of a Horovod job on the same cores
+  compute-lockstep
+                the same as compute with the ranks held in step: an 8-byte MPI allreduce (mpi4py,
+                no Horovod) after every step, so that each step lasts as long as its slowest
+                rank's, as in any synchronous data-parallel job: the ceiling of one
 
 Rank 0 writes ``--out`` (for the compute runs every rank also writes ``--out``.rank<r>, so that
 the bench can take the slowest rank as the ceiling): steps/s over the steps after the first ``--skip`` (numba compiles
@@ -45,13 +49,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hvd_zoadam.bench.breakdown import Breakdown
 
 RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd", "ddp-localsgd", "compute",
-        "compute-horovod", "onebit")
+        "compute-horovod", "compute-lockstep", "onebit")
 COMPUTE_RUNS = ("compute", "compute-horovod")  # no collective in the steps: each rank reports its own speed
 ZOADAM_RUNS = ("zoadam", "zoadam-torchrun", "zoadam-mpi")
 
@@ -251,7 +256,7 @@ def main(argv=None):
         import horovod.torch as hvd
         hvd.init()
         rank, world = hvd.rank(), hvd.size()
-    elif args.run == "zoadam-mpi":
+    elif args.run in ("zoadam-mpi", "compute-lockstep"):
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
         rank, world = comm.Get_rank(), comm.Get_size()
@@ -325,6 +330,7 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
     losses, clock = [], StepClock(args.skip)
+    lockstep = np.zeros(1)  # compute-lockstep's 8 bytes
     kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
     timer = Breakdown()  # its regions only; the library is wrapped with --breakdown alone
     if args.breakdown:
@@ -339,6 +345,9 @@ def main(argv=None):
             opt.step()
             if averager is not None:
                 averager.average_parameters(model.parameters())
+        if args.run == "compute-lockstep":
+            with timer.collective("allreduce", "bench.lockstep"):
+                comm.Allreduce(MPI.IN_PLACE, lockstep, op=MPI.SUM)
         kind = "step"
         if before is not None:
             after = opt.comm_stats()
