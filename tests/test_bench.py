@@ -118,9 +118,10 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
                  "onebit"):
         for kind, parts in runs[name]["breakdown"].items():
             assert parts["waiting_for_slowest"] >= 0 and parts["wire"] >= -1e-9, (name, kind)
-            assert sum(parts[k] for k in parts if k not in ("steps", "wall", "wire_by_op")) == pytest.approx(
-                parts["wall"]), name
+            assert sum(parts[k] for k in parts if k not in ("steps", "wall", "wire_by_op", "kernels_by_name")) == \
+                pytest.approx(parts["wall"]), name
             assert sum(parts["wire_by_op"].values()) <= parts["wire"] + 1e-6, (name, kind)
+            assert sum(parts["kernels_by_name"].values()) == pytest.approx(parts["kernels"], abs=1e-9), (name, kind)
     assert runs["compute"]["breakdown"]["step"]["steps"] == 7 and "breakdown" not in runs["diloco-h8"]
     assert z["breakdown"]["sync"]["kernels"] > 0 and z["breakdown"]["local"]["wire"] == 0
     # the hooks start each SYNC step's exchange during backward: its own work is split out
@@ -128,6 +129,10 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
     # each round's wire apart: a SYNC step's two rounds and its flag; a LOCAL step sends nothing
     assert set(z["breakdown"]["sync"]["wire_by_op"]) == {"alltoall", "allgather", "flag"}
     assert z["breakdown"]["local"]["wire_by_op"] == {}
+    # and each kernel apart: a SYNC step's window update, worker and server sides and rebuild
+    assert {"local_window_update", "worker_compress", "server_reduce", "decompress_sync"} <= set(
+        z["breakdown"]["sync"]["kernels_by_name"])
+    assert runs["compute"]["breakdown"]["step"]["kernels_by_name"] == {}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")

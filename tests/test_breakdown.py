@@ -85,6 +85,23 @@ def test_exclusive_time_goes_to_the_innermost_label():
     assert row["other"] >= 0.02
     assert row["wall"] == pytest.approx(row["kernels"] + row["optimizer"] + row["other"] + row["forward_backward"]
                                         + row["packing"] + row["wire"])
+    assert row["kernels_by_name"] == {}  # a region is not a kernel function
+
+
+def test_each_kernel_function_gets_its_own_exclusive_time():
+    bd = Breakdown()
+    inner = bd._timed(lambda: time.sleep(0.1), "kernels", "inner")
+    outer = bd._timed(lambda: (time.sleep(0.05), inner()), "kernels", "outer")
+    bd.begin_step(1)
+    with bd.region("optimizer"):
+        outer()
+    bd.end_step("sync")
+    row = bd.steps[0]
+    assert 0.1 <= row["kernels_by_name"]["inner"] < 0.15 and 0.05 <= row["kernels_by_name"]["outer"] < 0.1
+    assert sum(row["kernels_by_name"].values()) == pytest.approx(row["kernels"], abs=1e-12)
+    bd.begin_step(2)  # each step starts from nothing
+    bd.end_step("local")
+    assert bd.steps[1]["kernels_by_name"] == {}
 
 
 def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
@@ -128,5 +145,11 @@ def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
     assert [[c[1] for c in r["collectives"]] for r in ranks] == [["alltoall", "allgather", "flag"]] * 2
     rows = split_waits(ranks)
     assert rows[0]["kernels"] > 0 and rows[0]["packing"] > 0
+    # the kernels by function, together exactly the label's time
+    assert {"worker_compress", "server_reduce", "decompress"} <= set(rows[0]["kernels_by_name"])
+    assert sum(rows[0]["kernels_by_name"].values()) == pytest.approx(rows[0]["kernels"], abs=1e-12)
+    assert table(rows, 2)["compressed"]["kernels_by_name"] == pytest.approx(
+        {k: (rows[0]["kernels_by_name"].get(k, 0) + rows[1]["kernels_by_name"].get(k, 0)) / 2
+         for k in {*rows[0]["kernels_by_name"], *rows[1]["kernels_by_name"]}})
     assert rows[0]["waiting_for_slowest"] >= 0.15  # the 0.2 s rank 1 slept
     assert rows[1]["waiting_for_slowest"] < 0.05

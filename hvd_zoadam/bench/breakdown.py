@@ -22,7 +22,9 @@ inside ``Exchange.start`` counts as ``kernels``, not ``packing``. The labels:
   of its own (CUDA), this time stays in ``forward_backward``;
 * ``optimizer``: ``step()``'s Python and torch work outside the labels below (the step math
   in torch ops, gathering and scattering parameters, the driver);
-* ``kernels``: inside a Numba kernel;
+* ``kernels``: inside a Numba kernel (``hvd_zoadam.native``'s public functions), also by
+  function in ``kernels_by_name`` (exclusive too: a kernel function calling another counts
+  only its own time);
 * ``packing``: the protocol's own work around the kernels (message layout, copies, checks);
 * ``wire``: inside the transport's ``start``/``wait``, less ``waiting_for_slowest``;
 * ``waiting_for_slowest``: the part of a wait before the last rank had started the same
@@ -50,8 +52,9 @@ class Breakdown:
     """Exclusive seconds per label for each step of one rank, and its collectives' times.
 
     ``steps``: one dict per finished step: ``step``, ``kind``, ``wall`` (seconds from
-    :meth:`begin_step` to :meth:`end_step`) and the seconds of each label of :data:`LABELS`
-    but ``waiting_for_slowest`` (filled in later by :func:`split_waits`).
+    :meth:`begin_step` to :meth:`end_step`), the seconds of each label of :data:`LABELS`
+    but ``waiting_for_slowest`` (filled in later by :func:`split_waits`) and
+    ``kernels_by_name`` (``kernels`` by function).
     ``collectives``: ``[step, op, name, t_start, spans]`` per collective in start order (op
     ``"flag"`` for the transport's ``allgather_flag``, however it is carried), with
     ``spans`` the ``[begin, end]`` of its ``start`` and ``wait`` calls (perf_counter seconds).
@@ -63,6 +66,7 @@ class Breakdown:
         self._handles: dict[int, list] = {}
         self._stack: list[str] = []
         self._totals: dict[str, float] = {}
+        self._kernels: dict[str, float] = {}  # this step's kernels seconds, by function name
         self._last = 0.0
         self._step = 0
         self._begin = 0.0
@@ -71,18 +75,24 @@ class Breakdown:
         self._recording = True  # False inside collective(): its calls are in its record
 
     # -- exclusive timing ---------------------------------------------------------------------
-    def _enter(self, label: str) -> None:
+    def _charge(self, now: float) -> None:
+        """Give the time since the last clock read to the innermost label (and kernel)."""
+        label, kernel = self._stack[-1]
+        self._totals[label] = self._totals.get(label, 0.0) + now - self._last
+        if kernel is not None:
+            self._kernels[kernel] = self._kernels.get(kernel, 0.0) + now - self._last
+
+    def _enter(self, label: str, kernel: str | None = None) -> None:
         now = time.perf_counter()
         if self._stack:
-            top = self._stack[-1]
-            self._totals[top] = self._totals.get(top, 0.0) + now - self._last
-        self._stack.append(label)
+            self._charge(now)
+        self._stack.append((label, kernel))
         self._last = now
 
     def _exit(self) -> None:
         now = time.perf_counter()
-        top = self._stack.pop()
-        self._totals[top] = self._totals.get(top, 0.0) + now - self._last
+        self._charge(now)
+        self._stack.pop()
         self._last = now
 
     @contextlib.contextmanager
@@ -112,12 +122,12 @@ class Breakdown:
             self._exit()
             record[4].append([record[3], self._last])
 
-    def _timed(self, fn, label: str):
+    def _timed(self, fn, label: str, kernel: str | None = None):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if threading.get_ident() != self._thread:  # another thread-rank's call
                 return fn(*args, **kwargs)
-            self._enter(label)
+            self._enter(label, kernel)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -143,7 +153,7 @@ class Breakdown:
             fn = getattr(native, name)
             if callable(fn) and not isinstance(fn, type) and name not in ("warm_up", "configure_threads",
                                                                           "use_cuda_kernels_on_cpu"):
-                self._patch(native, name, self._timed(fn, "kernels"))
+                self._patch(native, name, self._timed(fn, "kernels", name))
         for name in _EXCHANGE_PHASES:
             self._patch(Exchange, name, self._timed(getattr(Exchange, name), "packing"))
         self._patch(StepDriver, "_launch", self._timed(StepDriver._launch, "early_start"))
@@ -198,7 +208,7 @@ class Breakdown:
     # -- per step -----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Start step ``step``'s wall clock (before its data, forward and backward)."""
-        self._step, self._totals, self._thread = step, {}, threading.get_ident()
+        self._step, self._totals, self._kernels, self._thread = step, {}, {}, threading.get_ident()
         self._begin = self._last = time.perf_counter()
 
     def end_step(self, kind: str) -> None:
@@ -207,6 +217,7 @@ class Breakdown:
         row = {"step": self._step, "kind": kind, "wall": wall}
         row.update({label: self._totals.get(label, 0.0) for label in LABELS if label != "waiting_for_slowest"})
         row["other"] = max(0.0, wall - sum(self._totals.values()))
+        row["kernels_by_name"] = dict(self._kernels)
         self.steps.append(row)
 
     def to_json(self) -> dict:
@@ -254,17 +265,21 @@ def split_waits(ranks: list[dict]) -> list[dict]:
 def table(rows: list[dict], world_size: int) -> dict:
     """Mean seconds per step of each label, per step kind, over the ranks' step rows
     (``rows`` from :func:`split_waits`): ``{kind: {"steps": n, "wall": s, label: s, ...,
-    "wire_by_op": {op: s}}}``, ``steps`` counted once per step (not per rank)."""
+    "wire_by_op": {op: s}, "kernels_by_name": {function: s}}}``, ``steps`` counted once per
+    step (not per rank)."""
     out: dict = {}
     for row in rows:
-        acc = out.setdefault(row["kind"], {"n": 0, "wall": 0.0, "ops": {}, **{label: 0.0 for label in LABELS}})
+        acc = out.setdefault(row["kind"], {"n": 0, "wall": 0.0, "wire_by_op": {}, "kernels_by_name": {},
+                                           **{label: 0.0 for label in LABELS}})
         acc["n"] += 1
         acc["wall"] += row["wall"]
         for label in LABELS:
             acc[label] += row.get(label, 0.0)
-        for op, seconds in row.get("wire_by_op", {}).items():
-            acc["ops"][op] = acc["ops"].get(op, 0.0) + seconds
+        for key in ("wire_by_op", "kernels_by_name"):
+            for name, seconds in row.get(key, {}).items():
+                acc[key][name] = acc[key].get(name, 0.0) + seconds
     return {kind: {"steps": acc["n"] // world_size, "wall": acc["wall"] / acc["n"],
                    **{label: acc[label] / acc["n"] for label in LABELS},
-                   "wire_by_op": {op: seconds / acc["n"] for op, seconds in sorted(acc["ops"].items())}}
+                   **{key: {name: seconds / acc["n"] for name, seconds in sorted(acc[key].items())}
+                      for key in ("wire_by_op", "kernels_by_name")}}
             for kind, acc in out.items()}

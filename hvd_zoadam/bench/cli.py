@@ -308,8 +308,9 @@ def _write_run(bar, rate: str, res: dict, prefix: str) -> None:
     for kind, parts in (res.get("breakdown") or {}).items():
         bar.write(f"{'':>8}   {kind:<10} {parts['steps']:>4} steps, ms/step: " + ", ".join(
             f"{label} {1000 * parts[label]:.1f}" for label in ("wall", *_breakdown_mod.LABELS)) + "".join(
-            f"; wire of {op} {1000 * seconds:.1f}" for op, seconds in parts.get("wire_by_op", {}).items()),
-            file=sys.stderr)
+            f"; wire of {op} {1000 * seconds:.1f}" for op, seconds in parts.get("wire_by_op", {}).items()) + "".join(
+            f"; {name} {1000 * seconds:.1f}" for name, seconds in parts.get("kernels_by_name", {}).items()
+            if seconds >= 5e-5), file=sys.stderr)
 
 
 def _spread(values: list) -> dict:
