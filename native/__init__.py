@@ -512,6 +512,9 @@ def _warm_calls(device: torch.device) -> None:
         for preconditioned in (True, False):
             decompress_sync(packed, wscales, plan, anchor=v[0], param=v[1], exp_avg=v[2], denom=v[3], factor=0.5,
                             decay_product=0.5, mask=mask, preconditioned=preconditioned)
+    for mask in (None, torch.ones(n, dtype=torch.bool, device=device)):  # LOCAL and SYNC steps' local update
+        local_step(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
+        local_window_update(v[0], v[1], v[2], v[3], v[4], ones(n), mask=mask, weight=0.1, step_size=-0.1)
     all_finite(v[0])
     clamp_by(v[0], v[1], 1.0)
     sync_prepare(v[0], v[1], 0.5, v[4])

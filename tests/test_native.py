@@ -1,6 +1,9 @@
 """The Numba CPU kernels against the torch reference and hand-computed bit layouts (algorithm.md §3)."""
 from __future__ import annotations
 
+import json
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import padded_numel, segment_offsets
 from hvd_zoadam.native import reference
-from conftest import bucket_cases, server_inputs
+from conftest import ROOT, bucket_cases, run_cmd, server_inputs
 
 
 def test_bits_are_msb_first_and_both_zeros_are_plus_one():
@@ -519,3 +522,48 @@ def test_warm_up_for_a_cuda_device_numba_cannot_see_says_what_to_install():
         pytest.skip("numba sees a CUDA device here")
     with pytest.raises(RuntimeError, match="need numba's CUDA target.*install numba-cuda"):
         native.warm_up("cuda:0")
+
+
+_WARM_UP_THEN_TRAIN = r'''
+import json
+import torch
+import hvd_zoadam
+from hvd_zoadam import native
+from hvd_zoadam.native import cpu
+from conftest import run_threads
+native.warm_up()
+kernels = {n: k for n, k in vars(cpu).items() if hasattr(k, "signatures") and hasattr(k, "py_func")}
+before = {n: list(k.signatures) for n, k in kernels.items()}
+
+def body(rank, transport):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 40), torch.nn.Linear(40, 300), torch.nn.LayerNorm(300),
+                                torch.nn.Linear(300, 5))
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(groups, lr=1e-3), named_parameters=model.named_parameters(),
+                                          transport=transport, var_freeze_step=6, local_step_policy="steps",
+                                          local_step_scaler=4, local_step_clipper=4, bucket_cap_mb=0.05)
+    for t in range(40):
+        opt.zero_grad()
+        model(torch.randint(0, 10, (8,))).square().mean().backward()  # rows 10-49 never used: a mask
+        opt.step()
+    masked = any(opt._engine.mask_of(b) is not None for b in opt._engine.buckets)
+    return {k: opt.comm_stats()[k]["steps"] for k in ("variance", "local", "sync")}, masked
+
+kinds, masked = run_threads(2, body)[0]
+print(json.dumps({"kinds": kinds, "masked": masked,
+                  "compiled_later": {n: [str(s) for s in k.signatures if s not in before[n]]
+                                     for n, k in kernels.items() if list(k.signatures) != before[n]}}))
+'''
+
+
+def test_warm_up_compiles_every_cpu_kernel_that_training_then_calls():
+    """The optimizer's warm_up at construction leaves no kernel to compile later: VARIANCE, LOCAL
+    and SYNC steps, AdamW's window decay and a masked bucket at P = 2 find every CPU kernel's
+    signature already compiled (a fresh process; with a cold cache a first compile inside a
+    step stalls it for seconds, on every rank)."""
+    proc = run_cmd([sys.executable, "-c", _WARM_UP_THEN_TRAIN], env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(n > 0 for n in got["kinds"].values()) and got["masked"], got
+    assert got["compiled_later"] == {}
