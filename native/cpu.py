@@ -449,7 +449,7 @@ def _rebuild_momentum_units(a, w, d, f):
 
 
 @njit(parallel=True, cache=True)
-def _sync_plain(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg, denom, f):
+def _sync_plain(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg, denom, dp, f):
     o = np.uint64(off)
     for t in prange(tasks.shape[0]):
         j0 = tasks[t, 1]
@@ -457,13 +457,13 @@ def _sync_plain(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg
         a0 = np.uint64(j0)
         for k in range(np.uint64(tasks[t, 2] - j0)):
             j = a0 + k
-            x, exp_avg[j] = _rebuild(anchor[j], _sign_scale(packed, j, s), denom[j], f)
+            x, exp_avg[j] = _rebuild(anchor[j] * dp, _sign_scale(packed, j, s), denom[j], f)
             param[j - o] = x
             anchor[j] = x
 
 
 @njit(parallel=True, cache=True)
-def _sync_masked(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg, denom, mask, f):
+def _sync_masked(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg, denom, mask, dp, f):
     o = np.uint64(off)
     for t in prange(tasks.shape[0]):
         j0 = tasks[t, 1]
@@ -471,13 +471,13 @@ def _sync_masked(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_av
         a0 = np.uint64(j0)
         for k in range(np.uint64(tasks[t, 2] - j0)):
             j = a0 + k
-            x, exp_avg[j] = _rebuild(anchor[j], _sign_scale(packed, j, s) * np.float32(mask[j]), denom[j], f)
+            x, exp_avg[j] = _rebuild(anchor[j] * dp, _sign_scale(packed, j, s) * np.float32(mask[j]), denom[j], f)
             param[j - o] = x
             anchor[j] = x
 
 
 @njit(parallel=True, cache=True)
-def _sync_momentum_units(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg, denom, mask, f):
+def _sync_momentum_units(packed, sscales, tasks, chunk_numel, anchor, param, off, exp_avg, denom, mask, dp, f):
     o = np.uint64(off)
     has_mask = mask.shape[0] > 0
     for t in prange(tasks.shape[0]):
@@ -489,7 +489,7 @@ def _sync_momentum_units(packed, sscales, tasks, chunk_numel, anchor, param, off
             w = _sign_scale(packed, j, s)
             if has_mask:
                 w = w * np.float32(mask[j])
-            x, exp_avg[j] = _rebuild_momentum_units(anchor[j], w, denom[j], f)
+            x, exp_avg[j] = _rebuild_momentum_units(anchor[j] * dp, w, denom[j], f)
             param[j - o] = x
             anchor[j] = x
 
@@ -498,20 +498,21 @@ def decompress_sync(packed, sscales, tasks, chunk_numel, anchor, param, exp_avg,
                     decay_product, factor, preconditioned):
     """SYNC steps 5-7 (algorithm.md §2) from the packed result w, bitwise as ``kinds.sync_finish``:
 
-    anchor <- anchor * decay_product (when != 1; a numpy pass of its own, as the torch path);
-    w <- w * mask (when ``mask`` is non-empty); preconditioned: param = anchor - w,
-    exp_avg = (w * denom) * factor; else: param = anchor - w / denom, exp_avg = w * factor;
-    anchor = param. One kernel per case: loop-invariant branches inside one kernel kept LLVM
-    from vectorising it (measured 4x slower).
+    a <- anchor * decay_product (float32, rounded on its own as the torch path's ``mul_``: the
+    kernels are not fastmath, so nothing contracts it into a fused multiply-add; times 1 is
+    exact); w <- w * mask (when ``mask`` is non-empty); preconditioned: param = a - w,
+    exp_avg = (w * denom) * factor; else: param = a - w / denom, exp_avg = w * factor;
+    anchor = param. One pass over memory, the decay included (a pass of its own for it cost
+    11-14 % of this kernel alone, about 1 ms of a SYNC step at the main job's size). One kernel
+    per case: loop-invariant branches inside one kernel kept LLVM from vectorising it
+    (measured 4x slower).
 
     ``param``: float32[n], or the parameters themselves: a list of ``(float32 array, the bucket
     index of its first element)`` that covers the n elements in order, each array's elements
     in whole tasks (``tasks`` are sorted by start and none crosses a parameter). One kernel
     call per parameter then.
     """
-    if decay_product != 1.0:
-        np.multiply(anchor, np.float32(decay_product), out=anchor)
-    f = np.float32(factor)
+    dp, f = np.float32(decay_product), np.float32(factor)
     if isinstance(param, np.ndarray):
         parts = [(param, 0, tasks)]
     else:
@@ -520,11 +521,11 @@ def decompress_sync(packed, sscales, tasks, chunk_numel, anchor, param, exp_avg,
                  for a, off in param]
     for arr, off, t in parts:
         if not preconditioned:
-            _sync_momentum_units(packed, sscales, t, chunk_numel, anchor, arr, off, exp_avg, denom, mask, f)
+            _sync_momentum_units(packed, sscales, t, chunk_numel, anchor, arr, off, exp_avg, denom, mask, dp, f)
         elif mask.shape[0]:
-            _sync_masked(packed, sscales, t, chunk_numel, anchor, arr, off, exp_avg, denom, mask, f)
+            _sync_masked(packed, sscales, t, chunk_numel, anchor, arr, off, exp_avg, denom, mask, dp, f)
         else:
-            _sync_plain(packed, sscales, t, chunk_numel, anchor, arr, off, exp_avg, denom, f)
+            _sync_plain(packed, sscales, t, chunk_numel, anchor, arr, off, exp_avg, denom, dp, f)
 
 
 # -- checks and small fused helpers of the optimizer -------------------------------------------
