@@ -265,7 +265,8 @@ def test_bench_kernels_refuses_cuda_without_a_gpu():
 def test_bench_kernels_reports_each_kernel_against_copy():
     rep = bench("kernels", "--numel", "65536", "--repeats", "1")
     assert set(rep["kernels"]) == {"worker_compress", "server_reduce", "decompress", "decompress_momentum",
-                                   "decompress_sync", "decompress_sync_params", "decompress_sync_scatter"}
+                                   "decompress_sync", "decompress_sync_params", "decompress_sync_decay",
+                                   "decompress_sync_scatter"}
     assert rep["kernels"]["worker_compress"]["target_vs_copy"] == 0.5  # the CPU kernels' speed targets are reported
     assert isinstance(rep["kernels"]["decompress_momentum"]["met"], bool)
     assert rep["copy_GBps"] > 0 and all(k["GBps"] > 0 and k["vs_copy"] > 0 for k in rep["kernels"].values())
@@ -275,7 +276,9 @@ def test_bench_kernels_reports_each_kernel_against_copy():
     # memory traffic per element against the copy's 8 bytes, by hand for n = 65536, P = 2 (no padding):
     # decompress_sync reads 1/8 (bits) + 4 (x_a) + 4 (s) and writes 4 (x) + 4 (m) + 4 (x_a) for its 4 counted
     # (and with the copy into the parameters, 8 more: x read, the parameters written)
+    # (the window's weight decay scales x_a in the same pass: no byte more)
     ratios = {"decompress_sync": (1 / 8 + 20) / 8, "decompress_sync_params": (1 / 8 + 20) / 8,
+              "decompress_sync_decay": (1 / 8 + 20) / 8,
               "decompress_sync_scatter": (1 / 8 + 28) / 8, "decompress_momentum": (1 / 8 + 8) / 8,
               "worker_compress": (4 + 8 + 1 / 8) / 8, "server_reduce": (2 / 8 + 8 + 1 / 8) / 8}
     for name, ratio in ratios.items():
@@ -301,11 +304,15 @@ def test_provenance_names_the_commit_the_command_and_the_machine(tmp_path):
     git("add", "f")
     git("commit", "-qm", "one")
     head = git("rev-parse", "HEAD")
-    assert provenance([], root=repo)["commit"] == head
+    own = repo / "native"
+    assert provenance([], root=repo, kernels=own)["commit"] == head
     (repo / "untracked").write_text("x")       # run outputs and the like do not count
-    assert provenance([], root=repo)["commit"] == head
+    assert provenance([], root=repo, kernels=own)["commit"] == head
     (repo / "f").write_text("2")
-    assert provenance([], root=repo)["commit"] == head + "+changes"
+    assert provenance([], root=repo, kernels=own)["commit"] == head + "+changes"
+    # kernels imported from another checkout (an editable install's, under a worktree) are named
+    assert provenance([], root=repo, kernels=tmp_path)["commit"] == f"{head}+changes+kernels from {tmp_path.resolve()}"
+    assert provenance([], root=repo)["commit"].startswith(f"{head}+changes+kernels from ")  # this test's own
     (repo / "sub").mkdir()                      # a package inside another project's checkout
     assert provenance([], root=repo / "sub")["commit"] is None
 

@@ -12,11 +12,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, when the package runs from one
 
 
-def provenance(argv=None, root=None) -> dict:
+def provenance(argv=None, root=None, kernels=None) -> dict:
     """Where a report's figures came from, for the JSON of every benchmark.
 
     ``commit``: the git commit of the hvd_zoadam checkout that ran, ``+changes`` appended when
-    its tracked files differ from it; None where the package is not a git checkout of its own
+    its tracked files differ from it, and ``+kernels from <folder>`` when the kernels
+    (``hvd_zoadam.native``, by default the folder they were imported from; ``kernels``) are not
+    that checkout's ``native/``: an editable install maps them to its own checkout, so a
+    benchmark run from another one (a git worktree on ``PYTHONPATH``) times that checkout's
+    kernels, as they are on disk then; None where the package is not a git checkout of its own
     (an installed wheel). ``command``: ``python -m hvd_zoadam.bench`` and ``argv`` (by default
     this process's arguments). ``cpu``: the processor's model name, family, model, stepping and
     cache size (None where /proc/cpuinfo has no model name); ``cores``; the ``torch`` and
@@ -36,6 +40,11 @@ def provenance(argv=None, root=None) -> dict:
         commit = git("rev-parse", "HEAD")
         if commit and git("status", "--porcelain", "--untracked-files=no"):
             commit += "+changes"
+        if kernels is None:
+            from hvd_zoadam import native
+            kernels = Path(native.__file__).parent
+        if commit and Path(kernels).resolve() != root / "native":
+            commit += f"+kernels from {Path(kernels).resolve()}"
     cpu = None
     try:
         first = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
