@@ -508,11 +508,12 @@ def _warm_calls(device: torch.device) -> None:
     v = [ones(n) for _ in range(5)]
     decompress(packed, wscales, plan, v[0])
     decompress_momentum(packed, wscales, plan, v[0], 0.9)
-    for mask in (None, torch.ones(n, dtype=torch.bool, device=device)):
+    masks = (None, torch.ones(n, dtype=torch.bool, device=device), torch.ones(n, dtype=torch.uint8, device=device))
+    for mask in masks:  # auto_exp_avg_mask's are bool, a user's exp_avg_mask uint8
         for preconditioned in (True, False):
             decompress_sync(packed, wscales, plan, anchor=v[0], param=v[1], exp_avg=v[2], denom=v[3], factor=0.5,
                             decay_product=0.5, mask=mask, preconditioned=preconditioned)
-    for mask in (None, torch.ones(n, dtype=torch.bool, device=device)):  # LOCAL and SYNC steps' local update
+    for mask in masks:  # LOCAL and SYNC steps' local update
         local_step(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
         local_window_update(v[0], v[1], v[2], v[3], v[4], ones(n), mask=mask, weight=0.1, step_size=-0.1)
     all_finite(v[0])
