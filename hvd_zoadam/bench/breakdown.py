@@ -109,12 +109,13 @@ class Breakdown:
         """A context manager timing its body as one blocking collective ``op`` named ``name``:
         ``wire``, and a record that :func:`split_waits` pairs across the ranks (so the wait for
         the last rank becomes ``waiting_for_slowest``). Collectives started inside it through
-        an installed transport are not recorded again. Every rank must enter the same ones in
-        the same order."""
+        an installed transport are not recorded again, nor is one nested in another
+        collective's record. Every rank must enter the same ones in the same order."""
         self._enter("wire")
         record = [self._step, op, name, self._last, []]
-        self.collectives.append(record)
         recording, self._recording = self._recording, False
+        if recording:
+            self.collectives.append(record)
         try:
             yield
         finally:
