@@ -23,6 +23,10 @@ def init() -> None:
                                                   int(os.environ["OMPI_COMM_WORLD_SIZE"]))
 
 
+def shutdown() -> None:
+    COMM.Barrier()  # horovod.torch's shutdown(); MPI itself is finalized at exit by mpi4py
+
+
 def rank() -> int:
     return COMM.Get_rank()
 

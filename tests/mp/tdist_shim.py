@@ -21,6 +21,14 @@ def init() -> None:
     assert (dist.get_rank(), dist.get_world_size()) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
+def shutdown() -> None:
+    """The job's orderly end: every rank past its last collective, then the process groups
+    destroyed. A Gloo job whose ranks exit with their groups alive can abort in the teardown
+    ("terminate called without an active exception", SIGABRT) on whichever rank is last."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def rank() -> int:
     return dist.get_rank()
 

@@ -143,6 +143,7 @@ def main():
         scenario(out)
     out["horovod_imported_after"] = "horovod" in sys.modules
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
+    hvd.shutdown()
 
 
 if __name__ == "__main__":

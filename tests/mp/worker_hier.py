@@ -88,6 +88,7 @@ def main():
     scenario_train(out)
     scenario_mismatch(out)
     torch.save(out, os.path.join(sys.argv[1], f"rank{hvd.rank()}.pt"))
+    hvd.shutdown()
 
 
 if __name__ == "__main__":

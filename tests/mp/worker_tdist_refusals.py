@@ -43,6 +43,8 @@ def main():
         out["mismatch"] = str(exc)
     assert out["mismatch"] != "accepted", "ranks with different options took a step together"
     torch.save(out, os.path.join(sys.argv[1], f"rank{rank}.pt"))
+    dist.barrier()  # an orderly end: a Gloo rank that exits with its group alive can abort in the teardown
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
