@@ -185,6 +185,8 @@ def parse(argv=None):
                     help="0/1 Adam's var_update_weighting (zoadam run)")
     ap.add_argument("--local-step-scaler", type=int, default=40, help="0/1 Adam's alpha (zoadam run)")
     ap.add_argument("--local-step-clipper", type=int, default=8, help="0/1 Adam's H_max (zoadam run)")
+    ap.add_argument("--overlap", choices=("on", "off"), default="on",
+                    help="0/1 Adam's overlap option (zoadam runs): start exchanges from the backward hooks")
     ap.add_argument("--compression", choices=("none", "fp16"), default="none",
                     help="hvd.Compression of the zoadam run's full-precision VARIANCE steps (Horovod's argument; "
                          "fp16 halves their bytes; the other runs ignore it)")
@@ -297,7 +299,8 @@ def main(argv=None):
                       named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
                       var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                       local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
-                      var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb, **extra)
+                      var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb,
+                      overlap=args.overlap == "on", **extra)
     elif args.run in ("adam", "adam-fp16", "onebit"):
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
         if args.run == "onebit":
@@ -387,7 +390,8 @@ def main(argv=None):
                            "local_step_policy": args.local_step_policy, "local_step_scaler": args.local_step_scaler,
                            "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256,
                            "var_update_weighting": args.var_update_weighting,
-                           "bucket_cap_mb": args.bucket_cap_mb, "compression": args.compression})
+                           "bucket_cap_mb": args.bucket_cap_mb, "compression": args.compression,
+                           "overlap": args.overlap == "on"})
     if not args.run.startswith(("zoadam", "onebit")):
         out["adamw"] = args.adamw
     if args.run.startswith("adam"):
