@@ -23,9 +23,9 @@ Layout of the work (``TPB`` threads per block):
   bits (the tests bound this); bits and errors are bitwise the CPU's for the same scales.
 * No fused multiply-add can change a result. NVVM contracts ``a*b + c`` by default,
   so where the CPU rounds a product before an add, the kernels either avoid the form
-  (the error updates are ``z ± s``, the server average ``acc / P + e``, the SYNC
-  rebuild applies the window's decay in a separate torch ``mul_`` first) or round the
-  product on its own (:func:`_mul_rn`, the momentum lerp). The float64 sums of squares
+  (the error updates are ``z ± s``, the server average ``acc / P + e``) or round the
+  product on its own (:func:`_mul_rn`: the momentum lerp, the SYNC rebuild's decay of the
+  anchor). The float64 sums of squares
   may fuse: the square of a float32 is exact in float64, so they give the same bits.
 """
 from __future__ import annotations
@@ -444,9 +444,10 @@ def _unpacked(packed, sscales, offsets, chunk_numel, seg0, j):
 
 @cuda.jit
 def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weight, anchor, param, denom, mask,
-                factor, has_mask):
+                factor, has_mask, decay_product):
     """mode 0: out[j] = ĝ_j; mode 1: exp_avg lerp toward ĝ; mode 2: SYNC rebuild (preconditioned);
-    mode 3: SYNC rebuild (the paper's momentum units). See cpu.decompress*."""
+    mode 3: SYNC rebuild (the paper's momentum units), the anchor first scaled by
+    ``decay_product`` (rounded on its own) where it is not 1. See cpu.decompress*."""
     seg_sh = cuda.shared.array(1, dtype=int64)
     tid = cuda.threadIdx.x
     j0 = cuda.blockIdx.x * TPB
@@ -463,11 +464,14 @@ def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weigh
         else:
             if has_mask:
                 w = w * np.float32(mask[j])
+            a = anchor[j]
+            if decay_product != np.float32(1.0):
+                a = _mul_rn(a, decay_product)
             if mode == 2:
-                x = anchor[j] - w
+                x = a - w
                 exp_avg[j] = (w * denom[j]) * np.float32(factor)
             else:
-                x = anchor[j] - w / denom[j]
+                x = a - w / denom[j]
                 exp_avg[j] = w * np.float32(factor)
             param[j] = x
             anchor[j] = x
@@ -669,7 +673,7 @@ def server_reduce_two_pass(recv, all_worker_scales, server_error, plan, packed, 
 
 @_entry
 def _unpack(packed, sscales, plan, mode, like, out=None, exp_avg=None, weight=0.0, anchor=None, param=None,
-            denom=None, mask=None, factor=0.0):
+            denom=None, mask=None, factor=0.0, decay_product=1.0):
     if not plan.numel:
         return
     stream = _stream(like)
@@ -680,7 +684,7 @@ def _unpack(packed, sscales, plan, mode, like, out=None, exp_avg=None, weight=0.
     _decompress[_grid(plan.numel), TPB, stream](
         _arr(packed), _arr(sscales), d["offsets"], plan.chunk_numel, arr(out), mode, arr(exp_avg), float(weight),
         arr(anchor), arr(param), arr(denom), no_mask if mask is None else _arr(mask), float(factor),
-        mask is not None)
+        mask is not None, np.float32(decay_product))
 
 
 def decompress(packed, sscales, plan, out):
@@ -696,7 +700,5 @@ def decompress_momentum(packed, sscales, plan, exp_avg, beta1):
 @_entry
 def decompress_sync(packed, sscales, plan, anchor, param, exp_avg, denom, factor, decay_product, mask,
                     preconditioned):
-    if decay_product != 1.0:  # a separate rounding, as the CPU path (no fused multiply-add)
-        anchor.mul_(decay_product)
     _unpack(packed, sscales, plan, 2 if preconditioned else 3, anchor, exp_avg=exp_avg, anchor=anchor,
-            param=param, denom=denom, mask=mask, factor=factor)
+            param=param, denom=denom, mask=mask, factor=factor, decay_product=decay_product)

@@ -613,11 +613,10 @@ def cmd_kernels(args) -> dict:
                                                                   param=params, exp_avg=m, denom=denom, factor=0.5),
                                    4 * n, big // 8 + 20 * n),
         # the same with the window's weight decay (AdamW): the anchor scaled inside the same pass
-        # on the CPU; on CUDA in a pass of its own first (x_a read and written once more)
         "decompress_sync_decay": (lambda: native.decompress_sync(packed, wscales, plan, anchor=anchor, param=params,
                                                                  exp_avg=m, denom=denom, factor=0.5,
                                                                  decay_product=0.9999),
-                                  4 * n, big // 8 + (28 if device == "cuda" else 20) * n),
+                                  4 * n, big // 8 + 20 * n),
         "decompress_sync_scatter": (lambda: (native.decompress_sync(packed, wscales, plan, anchor=anchor, param=param,
                                                                     exp_avg=m, denom=denom, factor=0.5),
                                              torch._foreach_copy_(params, list(param.split(sizes)))),
