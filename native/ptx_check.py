@@ -38,7 +38,7 @@ SHARED = {
                      "float32[::1], uint8[::1], uint8[:, ::1]",
     "_zero_scales_outside": "int64[::1], int64, int64, float32[::1]",
     "_decompress": "uint8[::1], float32[:, ::1], int64[::1], int64, float32[::1], int64, float32[::1], float64, "
-                   "float32[::1], float32[::1], float32[::1], uint8[::1], float64, boolean",
+                   "float32[::1], float32[::1], float32[::1], uint8[::1], float64, boolean, float32",
 }
 Y = {"f32": "float32[::1]", "f16": "int16[::1]", "bf16": "int16[::1]"}
 
