@@ -2,7 +2,9 @@
 hypothesis cases of the CPU and CUDA kernel tests."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -53,11 +55,16 @@ def run_cmd(cmd: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None, check: boo
     """Run a launcher command line in the repository root; fail the test (not hang) past ``timeout_s``."""
     full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", **(env or {}))
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"job timed out after {timeout_s}s: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
+    with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as job:
+        try:
+            out, err = job.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # the launcher's session: its ranks too
+                os.killpg(job.pid, signal.SIGKILL)
+            out, err = job.communicate()
+            pytest.fail(f"job timed out after {timeout_s}s: {' '.join(cmd)}\n{out}\n{err}")
+    proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(f"job failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -24,7 +24,8 @@ def init() -> None:
 
 
 def shutdown() -> None:
-    COMM.Barrier()  # horovod.torch's shutdown(); MPI itself is finalized at exit by mpi4py
+    """horovod.torch's ``shutdown()``: nothing to do under MPI (mpi4py finalizes MPI at exit; a
+    barrier here would hold the other ranks when one failed after its last collective)."""
 
 
 def rank() -> int:
