@@ -24,9 +24,9 @@ Layout of the work (``TPB`` threads per block):
 * No fused multiply-add can change a result. NVVM contracts ``a*b + c`` by default,
   so where the CPU rounds a product before an add, the kernels either avoid the form
   (the error updates are ``z ± s``, the server average ``acc / P + e``) or round the
-  product on its own (:func:`_mul_rn`: the momentum lerp, the SYNC rebuild's decay of the
-  anchor). The float64 sums of squares
-  may fuse: the square of a float32 is exact in float64, so they give the same bits.
+  product on its own (:func:`_mul_rn`: the momentum lerp, the SYNC rebuild's decay of
+  the anchor). The float64 sums of squares may fuse: the square of a float32 is exact
+  in float64, so they give the same bits.
 """
 from __future__ import annotations
 
@@ -446,8 +446,8 @@ def _unpacked(packed, sscales, offsets, chunk_numel, seg0, j):
 def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weight, anchor, param, denom, mask,
                 factor, has_mask, decay_product):
     """mode 0: out[j] = ĝ_j; mode 1: exp_avg lerp toward ĝ; mode 2: SYNC rebuild (preconditioned);
-    mode 3: SYNC rebuild (the paper's momentum units), the anchor first scaled by
-    ``decay_product`` (rounded on its own) where it is not 1. See cpu.decompress*."""
+    mode 3: SYNC rebuild (the paper's momentum units). Modes 2 and 3 first scale the anchor by
+    ``decay_product`` (the product rounded on its own) where it is not 1. See cpu.decompress*."""
     seg_sh = cuda.shared.array(1, dtype=int64)
     tid = cuda.threadIdx.x
     j0 = cuda.blockIdx.x * TPB

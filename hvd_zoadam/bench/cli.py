@@ -613,6 +613,8 @@ def cmd_kernels(args) -> dict:
                                                                   param=params, exp_avg=m, denom=denom, factor=0.5),
                                    4 * n, big // 8 + 20 * n),
         # the same with the window's weight decay (AdamW): the anchor scaled inside the same pass
+        # (the bytes the kernel needs; on CUDA the parameters go through a flat x, as in
+        # decompress_sync_params)
         "decompress_sync_decay": (lambda: native.decompress_sync(packed, wscales, plan, anchor=anchor, param=params,
                                                                  exp_avg=m, denom=denom, factor=0.5,
                                                                  decay_product=0.9999),

@@ -188,8 +188,9 @@ def test_one_pass_server_kernel_is_bitwise_the_two_passes(case, rank_seed, block
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(case=cases(), beta1=st.sampled_from([0.0, 0.9]), preconditioned=st.booleans(), masked=st.booleans())
-def test_unpacking_kernels_match_the_cpu_kernels(case, beta1, preconditioned, masked):
+@given(case=cases(), beta1=st.sampled_from([0.0, 0.9]), preconditioned=st.booleans(), masked=st.booleans(),
+       decay_product=st.sampled_from([1.0, 0.999]))
+def test_unpacking_kernels_match_the_cpu_kernels(case, beta1, preconditioned, masked, decay_product):
     numels, p, y, e, gen = case
     n, big = sum(numels), y.numel()
     offsets = segment_offsets(numels)
@@ -206,7 +207,7 @@ def test_unpacking_kernels_match_the_cpu_kernels(case, beta1, preconditioned, ma
     anchor = y[:n].float()
     denom = torch.rand(n, generator=gen) + 1e-3
     mask = torch.rand(n, generator=gen) > 0.3 if masked else None
-    kw = dict(factor=0.37, decay_product=0.999, preconditioned=preconditioned)
+    kw = dict(factor=0.37, decay_product=decay_product, preconditioned=preconditioned)
     a1, x1, m1 = anchor.clone(), torch.empty(n), torch.empty(n)
     native.decompress_sync(packed, sscales, plan, anchor=a1, param=x1, exp_avg=m1, denom=denom, mask=mask, **kw)
     a2, x2, m2 = dev(anchor.clone()), dev(torch.empty(n)), dev(torch.empty(n))
