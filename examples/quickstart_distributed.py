@@ -31,4 +31,5 @@ if dist.get_rank() == 0:
     stats = opt.comm_stats()
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; sent {stats['bytes_sent_total']} bytes "
           f"({stats['bytes_sent_total'] / stats['adam_equivalent_bytes']:.3f} of Adam's) over {stats['transport']}")
+dist.barrier()  # every rank past its last collective, then the groups destroyed: an orderly end under Gloo
 dist.destroy_process_group()

@@ -346,6 +346,9 @@ def main(argv=None):
     if writer:
         writer.close()
     if isinstance(hvd, TorchDistributed):
+        # every rank past its last collective before the groups go (torch's Gloo backend can
+        # abort a rank whose groups or just-finished collectives outlive the interpreter)
+        hvd.dist.barrier()
         hvd.dist.destroy_process_group()
 
 
