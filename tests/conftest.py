@@ -60,7 +60,7 @@ def run_cmd(cmd: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None, check: boo
         try:
             out, err = job.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # the launcher's session: its ranks too
+            with contextlib.suppress(ProcessLookupError):  # the launcher's process group: its ranks too
                 os.killpg(job.pid, signal.SIGKILL)
             out, err = job.communicate()
             pytest.fail(f"job timed out after {timeout_s}s: {' '.join(cmd)}\n{out}\n{err}")

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cmd
 
 
-def test_a_job_past_its_limit_fails_the_test_and_its_whole_session_is_killed(tmp_path):
+def test_a_job_past_its_limit_fails_the_test_and_its_ranks_are_killed_with_it(tmp_path):
     pid_file = tmp_path / "child.pid"
     # a "launcher" that starts a "rank" and waits for it, as mpirun and torchrun do
     script = ("import subprocess, sys, time; "

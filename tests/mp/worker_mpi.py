@@ -60,6 +60,8 @@ def scenario_refusals(out):
     opt = zm.DistributedOptimizer(adam(model), model.named_parameters(), var_freeze_step=6 + COMM.Get_rank())
     common.loss_fn(model, 1, COMM.Get_rank()).backward()
     out["mismatch"] = refusal(opt.step)
+    accepted = [key for key, text in out.items() if text == "accepted"]
+    assert not accepted, f"rank {COMM.Get_rank()}: the MPI front end accepted what it must refuse: {accepted}"
 
 
 def scenario_averages(out):
