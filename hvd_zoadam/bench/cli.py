@@ -233,6 +233,8 @@ def _ratios(results: list) -> dict:
     return out
 
 
+UNSHAPED = "unshaped"  # --rate: the simulated hosts' links with no shaping
+
 TARGETS = [  # (rate, ratio key, target, text)
     ("100mbit", "zoadam_steps_per_s_vs_adam", 2.5, ">= 2.5x (a)'s steps/s"),
     ("100mbit", "zoadam_steps_per_s_vs_adam-fp16", 1.5, ">= 1.5x (b)'s steps/s"),
@@ -262,14 +264,16 @@ def cmd_network(args) -> dict:
               "repeat": args.repeat,
               "skip": args.skip, "model_args": args.model_args, "sysctl": args.sysctl,
               "horovod_env": _horovod_env(os.environ),
-              "note": "bandwidth shaped with HTB on both ends of each link; latency NOT shaped (no netem in this "
-                      "kernel; base RTT about 0.05 ms). steps/s are over the steps after the first --skip.",
+              "note": "bandwidth shaped with HTB on both ends of each link (not at all for --rate unshaped); latency "
+                      "NOT shaped (no netem in this kernel; base RTT about 0.05 ms). steps/s are over the steps after "
+                      "the first --skip.",
               "rates": {}}
     bar = tqdm(total=len(args.rate) * len(runs) * args.repeat, desc="bench network", unit="run", file=sys.stderr)
     for rate in args.rate:
         repeats = []
         sysctls = dict(kv.split("=", 1) for kv in args.sysctl)
-        with Network(args.ranks, rate, sysctls=sysctls) as net, tempfile.TemporaryDirectory() as tmp:
+        shaped = None if rate == UNSHAPED else rate
+        with Network(args.ranks, shaped, sysctls=sysctls) as net, tempfile.TemporaryDirectory() as tmp:
             for i in range(args.repeat):  # A, B, A, B ...: each repetition's runs side by side in time
                 workdir = Path(tmp) / f"repeat{i}"
                 workdir.mkdir()
@@ -801,7 +805,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     net = sub.add_parser("network", help="the char LM over shaped links, the systems side by side (needs root)")
     net.add_argument("--rate", action="append", default=None,
-                     help="link rate, e.g. 100mbit or 1gbit; repeat for several (default: 100mbit and 1gbit)")
+                     help="link rate, e.g. 100mbit or 1gbit, or unshaped (the same simulated hosts with no "
+                          "limit: the most any rate can give on this machine); repeat for several (default: "
+                          "100mbit and 1gbit)")
     net.add_argument("--ranks", type=int, default=2)
     net.add_argument("--steps", type=int, default=300,
                      help="training steps per system (300: about 55 minutes for both default rates; the "
