@@ -254,6 +254,18 @@ def test_alpha_beta_model_formulas_and_projection():
         assert r["zoadam-2level_node_MB_per_step"] < r["zoadam_node_MB_per_step"] / 4
 
 
+def test_bench_model_validates_against_the_shaped_rates_of_a_network_report(tmp_path):
+    def runs(compute, adam):
+        return [{"run": "compute", "ok": True, "params": 1_000_000, "steps_per_s": compute},
+                {"run": "adam", "ok": True, "params": 1_000_000, "steps_per_s": adam}]
+    report = {"ranks": 2, "rates": {"unshaped": {"runs": runs(2.0, 1.9)}, "100mbit": {"runs": runs(2.0, 1.0)}}}
+    (tmp_path / "net.json").write_text(json.dumps(report))
+    checks = bench("model", "--measured", str(tmp_path / "net.json"), "--latency", "0")["validation"]
+    # an unshaped link has no rate to model; at 100 Mbit/s 4 MB each way take 0.32 s
+    assert [(c["rate"], c["run"]) for c in checks] == [("100mbit", "adam")]
+    assert checks[0]["predicted_steps_per_s"] == pytest.approx(1 / (0.5 + 4e6 / 12.5e6))
+
+
 def test_bench_kernels_refuses_cuda_without_a_gpu():
     import torch
     if torch.cuda.is_available():

@@ -743,7 +743,7 @@ def cmd_model(args) -> dict:
         checks = []
         for rate, block in rep["rates"].items():
             runs = {r["run"]: r for r in block["runs"] if r.get("ok")}
-            if "compute" not in runs:
+            if "compute" not in runs or rate == UNSHAPED:  # no link rate to model
                 continue
             bps = _parse_rate(rate)
             n, p = runs["compute"]["params"], rep["ranks"]
@@ -806,8 +806,8 @@ def main(argv=None) -> int:
     net = sub.add_parser("network", help="the char LM over shaped links, the systems side by side (needs root)")
     net.add_argument("--rate", action="append", default=None,
                      help="link rate, e.g. 100mbit or 1gbit, or unshaped (the same simulated hosts with no "
-                          "limit: the most any rate can give on this machine); repeat for several (default: "
-                          "100mbit and 1gbit)")
+                          "limit: what the runs cost without a link rate); repeat for several (default: 100mbit "
+                          "and 1gbit)")
     net.add_argument("--ranks", type=int, default=2)
     net.add_argument("--steps", type=int, default=300,
                      help="training steps per system (300: about 55 minutes for both default rates; the "
