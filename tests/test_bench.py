@@ -137,7 +137,7 @@ def test_bench_network_runs_every_system_and_reports(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")
 def test_bench_network_repeats_the_runs_in_turn_and_reports_medians():
-    # over unshaped links (the bound of every rate: the same hosts, no qdisc; tc refuses "unshaped")
+    # over unshaped links (the same hosts with no qdisc; tc would refuse a rate named "unshaped")
     rep = bench("network", "--rate", "unshaped", "--steps", "4", "--warmup", "2", "--skip", "1", "--repeat", "2",
                 "--runs", "zoadam,compute", "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
                 "--block-size", "32", "--batch-size", "4")
