@@ -1,9 +1,12 @@
 """``python -m hvd_zoadam.info``: an environment report, in the spirit of ``horovodrun --check-build``.
 
-Prints what hvd_zoadam will run on: Horovod's frameworks, controllers and tensor
-operations; the MPI library and whether it is CUDA-aware; mpi4py and its thread level;
-Numba (threads, CUDA); torch and its devices; and which transport ``"auto"`` picks.
-``--json`` prints the same as one JSON object.
+Prints what hvd_zoadam will run on: which front ends this environment can run (torchrun,
+Horovod, mpirun); Horovod's frameworks, controllers and tensor operations; the MPI library and
+whether it is CUDA-aware; mpi4py and its thread level; Numba (CUDA) and the kernel threads each
+rank will run, with a warning when they oversubscribe the cores; torch and its devices; and
+which transport ``"auto"`` picks. Run it as the job runs (``torchrun --nproc-per-node 8 -m
+hvd_zoadam.info``) or say the ranks per host (``--ranks-per-host 8``). ``--json`` prints the
+same as one JSON object.
 """
 from __future__ import annotations
 
@@ -63,6 +66,37 @@ def _numba() -> dict:
             "cuda_simulator": os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"}
 
 
+def _threads(ranks_per_host: int | None) -> dict:
+    """The CPU kernels' threads per rank for ``ranks_per_host`` ranks (None: as the launcher's
+    environment says, else 1), and whether the ranks together oversubscribe the cores."""
+    from hvd_zoadam import native
+    from hvd_zoadam.comm.select import launcher_ranks_on_this_host
+    source = "--ranks-per-host"
+    if ranks_per_host is None:
+        ranks_per_host = launcher_ranks_on_this_host()
+        source = "the launcher's environment"
+    if ranks_per_host is None:
+        ranks_per_host, source = 1, "not launched (pass --ranks-per-host N, or run under the launcher)"
+    per_rank = native.threads_per_rank(ranks_per_host)
+    cores = os.cpu_count() or 1
+    return {"ranks_per_host": ranks_per_host, "ranks_per_host_from": source, "threads_per_rank": per_rank,
+            "cores": cores, "user_set": "NUMBA_NUM_THREADS" in os.environ,
+            "oversubscribed": per_rank * ranks_per_host > cores}
+
+
+def _front_ends(horovod: dict, mpi: dict) -> dict:
+    """Which front ends this environment can run, each with why not where it cannot."""
+    import torch.distributed as dist
+    out = {"hvd_zoadam.distributed (torchrun)": None if dist.is_available() else
+           "this torch build has no torch.distributed"}
+    out["hvd_zoadam.DistributedOptimizer (horovodrun)"] = None if horovod.get("installed") else \
+        "Horovod is not installed (scripts/setup.sh builds it)"
+    out["hvd_zoadam.mpi (mpirun, srun)"] = None if mpi.get("mpi4py") and "library" in mpi else \
+        ("mpi4py is not installed: pip install 'hvd_zoadam[mpi]' (needs an MPI library)"
+         if not mpi.get("mpi4py") else f"mpi4py cannot load MPI: {mpi.get('error')}")
+    return out
+
+
 def _torch() -> dict:
     import torch
     return {"version": torch.__version__, "cuda_available": torch.cuda.is_available(),
@@ -94,20 +128,23 @@ def _kernels(numba_info: dict, torch_info: dict) -> str:
     return cpu + "; CUDA tensors: no CUDA device here"
 
 
-def report() -> dict:
+def report(ranks_per_host: int | None = None) -> dict:
     horovod = _horovod()
     import hvd_zoadam
-    numba_info, torch_info = _numba(), _torch()
-    return {"hvd_zoadam": hvd_zoadam.__version__, "horovod": horovod, "mpi": _mpi(), "numba": numba_info,
-            "torch": torch_info, "auto_transport": _transport_choice(horovod),
-            "kernels": _kernels(numba_info, torch_info)}
+    numba_info, torch_info, mpi = _numba(), _torch(), _mpi()
+    return {"hvd_zoadam": hvd_zoadam.__version__, "front_ends": _front_ends(horovod, mpi), "horovod": horovod,
+            "mpi": mpi, "numba": numba_info, "threads": _threads(ranks_per_host), "torch": torch_info,
+            "auto_transport": _transport_choice(horovod), "kernels": _kernels(numba_info, torch_info)}
 
 
 def _print(rep: dict) -> None:
     def mark(flag):
         return "[X]" if flag else "[ ]"
     h = rep["horovod"]
-    print(f"hvd_zoadam v{rep['hvd_zoadam']}\n")
+    print(f"hvd_zoadam v{rep['hvd_zoadam']}\n\nFront ends:")
+    for name, why_not in rep["front_ends"].items():
+        print(f"    {mark(why_not is None)} {name}{'' if why_not is None else ': ' + why_not}")
+    print()
     if h.get("installed"):
         print(f"Horovod v{h['version']}\n\nAvailable Controllers:")
         for k, v in h["controllers"].items():
@@ -124,9 +161,17 @@ def _print(rep: dict) -> None:
     aware = {True: "yes", False: "no", None: "unknown"}[m.get("cuda_aware")]
     print(f"    CUDA-aware: {aware}")
     n = rep["numba"]
-    print(f"\nNumba: {n.get('version', 'not installed')}; threads {n.get('threads')}; "
+    print(f"\nNumba: {n.get('version', 'not installed')}; "
           f"CUDA {'available' if n.get('cuda_available') else 'not available'}"
           f"{' (simulator)' if n.get('cuda_simulator') else ''}")
+    th = rep["threads"]
+    print(f"kernel threads: {th['threads_per_rank']} per rank"
+          f"{' (NUMBA_NUM_THREADS)' if th['user_set'] else ''}, {th['ranks_per_host']} rank(s) per host "
+          f"({th['ranks_per_host_from']}), {th['cores']} cores")
+    if th["oversubscribed"]:
+        print(f"    WARNING: {th['threads_per_rank'] * th['ranks_per_host']} threads on {th['cores']} cores: the ranks "
+              "will starve each other; unset NUMBA_NUM_THREADS or set it to "
+              f"{max(1, th['cores'] // th['ranks_per_host'])}")
     t = rep["torch"]
     devices = ", ".join(t["cuda_devices"]) or "none"
     print(f"torch: {t['version']}; CUDA devices: {devices}; CPU threads {t['cpu_threads']}")
@@ -137,8 +182,12 @@ def _print(rep: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.info", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--ranks-per-host", type=int, default=None, metavar="N",
+                    help="the ranks the job will run on each host (default: as the launcher's environment says)")
     args = ap.parse_args(argv)
-    rep = report()
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        ap.error(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+    rep = report(args.ranks_per_host)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:

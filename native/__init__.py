@@ -28,24 +28,44 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused", "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused", "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
            "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
-def configure_threads(ranks_per_host: int) -> int:
-    """Give each of ``ranks_per_host`` ranks an equal share of the cores for the CPU kernels.
-
-    Numba's OpenMP pool busy-waits between parallel regions; with several ranks per host
-    and every rank using all cores, the ranks starve each other (measured here: 2 ranks
-    on 2 cores ran 2.6x slower). A ``NUMBA_NUM_THREADS`` set by the user wins. Returns
-    the thread count now in force.
-    """
+def threads_per_rank(ranks_per_host: int) -> int:
+    """The CPU kernels' threads each of ``ranks_per_host`` ranks runs: ``NUMBA_NUM_THREADS`` when
+    the user set it, else an equal share of the host's cores (at least 1). Pure: reads the
+    environment and numba's config, changes nothing."""
     import os
 
     import numba
-    if "NUMBA_NUM_THREADS" not in os.environ:
-        share = max(1, (os.cpu_count() or 1) // max(1, ranks_per_host))
-        numba.set_num_threads(min(share, numba.config.NUMBA_NUM_THREADS))
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return numba.config.NUMBA_NUM_THREADS
+    share = max(1, (os.cpu_count() or 1) // max(1, ranks_per_host))
+    return min(share, numba.config.NUMBA_NUM_THREADS)
+
+
+def configure_threads(ranks_per_host: int) -> int:
+    """Give each of ``ranks_per_host`` ranks an equal share of the cores for the CPU kernels
+    (:func:`threads_per_rank`).
+
+    Numba's OpenMP pool busy-waits between parallel regions; with several ranks per host
+    and every rank using all cores, the ranks starve each other (measured here: 2 ranks
+    on 2 cores ran 2.6x slower; a torchrun job 8-10x slower than DDP). A
+    ``NUMBA_NUM_THREADS`` set by the user wins. Returns the thread count now in force.
+
+    Numba launches its pool of ``NUMBA_NUM_THREADS`` threads at the first parallel call and
+    ``set_num_threads`` only masks threads out: with the OpenMP layer the masked threads still
+    join every parallel region and spin at its barrier (measured: a torchrun job of 2 ranks on
+    2 cores ran 11x slower than with ``NUMBA_NUM_THREADS=1``, as slow as with no share at
+    all). So while the pool is not launched yet, it is launched at the share's size.
+    """
+    import numba
+    from numba.np.ufunc import parallel
+    threads = threads_per_rank(ranks_per_host)
+    if not getattr(parallel, "_is_initialized", True) and hasattr(parallel, "NUM_THREADS"):
+        numba.config.NUMBA_NUM_THREADS = parallel.NUM_THREADS = threads
+    numba.set_num_threads(threads)
     return numba.get_num_threads()
 
 

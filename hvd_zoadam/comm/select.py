@@ -46,8 +46,7 @@ def make_transport(transport, process_set=None, device=None) -> Transport:
                              f"moves; got transport={transport!r}")
         return mpi_alone_transport(process_set)
     if transport == "torch.distributed" or (transport == "auto" and _torch_distributed_only()):
-        from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport
-        return TorchDistributedTransport(process_set)
+        return torch_distributed_transport(process_set)
     if transport == "auto" and process_set is None and _mpi_only():
         return mpi_alone_transport(None)
     try:
@@ -115,18 +114,49 @@ def mpi_alone_transport(comm) -> MPICommTransport:
     return transport
 
 
-LOCAL_SIZE_ENV = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # Open MPI's; MPICH's and Intel MPI's
+def torch_distributed_transport(process_group=None):
+    """:class:`~hvd_zoadam.comm.torch_distributed.TorchDistributedTransport` on ``process_group``
+    (None: the default group), with the CPU kernels' threads shared among the ranks on this
+    host as the launcher tells them (:func:`launcher_ranks_on_this_host`; torchrun sets
+    ``LOCAL_WORLD_SIZE``). No collective."""
+    from hvd_zoadam import native
+    from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport
+    transport = TorchDistributedTransport(process_group)
+    local = launcher_ranks_on_this_host()
+    native.configure_threads(local if local is not None else 1)
+    return transport
+
+
+# What launchers set on each rank: the job's ranks on this host. torchrun's; Open MPI's; MPICH's
+# and Intel MPI's; Horovod's horovodrun (Gloo); Slurm's srun (one task count per node in a list).
+LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "HOROVOD_LOCAL_SIZE")
+
+
+def launcher_ranks_on_this_host(environ=None) -> int | None:
+    """The job's ranks on this host as the launcher tells them in the environment
+    (:data:`LOCAL_SIZE_ENV`, then Slurm's ``SLURM_TASKS_PER_NODE`` on a job of one node), or
+    None when no launcher says. No collective; every rank of the job counts, whatever group
+    it trains on."""
+    environ = os.environ if environ is None else environ
+    for name in LOCAL_SIZE_ENV:
+        value = environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    tasks = environ.get("SLURM_TASKS_PER_NODE", "")  # e.g. "4" or "4(x2)" (4 on each of 2 nodes)
+    head = tasks.split("(")[0]
+    if head.isdigit() and int(head) > 0 and "," not in tasks:
+        return int(head)
+    return None
 
 
 def ranks_on_this_host(transport: MPICommTransport) -> int:
-    """The job's ranks on this host, as the MPI launcher tells them (:data:`LOCAL_SIZE_ENV`:
+    """The job's ranks on this host, as the launcher tells them (:func:`launcher_ranks_on_this_host`:
     no collective, and every rank of the job counts, whatever communicator it trains on);
     otherwise ``transport``'s ranks on this host, by one ``Split_type`` over its communicator
     the first time (collective over it)."""
-    for name in LOCAL_SIZE_ENV:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+    local = launcher_ranks_on_this_host()
+    if local is not None:
+        return local
     key = transport._comm_key()
     if key not in _ranks_on_host:
         node = transport._comm.Split_type(transport._MPI.COMM_TYPE_SHARED, key=transport.rank)

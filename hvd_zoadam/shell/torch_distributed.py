@@ -25,7 +25,8 @@ import inspect
 
 import torch
 
-from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport, torch_distributed_unavailable_reason
+from hvd_zoadam.comm.select import torch_distributed_transport
+from hvd_zoadam.comm.torch_distributed import torch_distributed_unavailable_reason
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.shell.optimizer import build_optimizer
 
@@ -80,7 +81,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
         reason = torch_distributed_unavailable_reason()
         if reason is not None:
             raise ValueError(f"hvd_zoadam.distributed.DistributedOptimizer: {reason}")
-        made = TorchDistributedTransport(process_group)
+        made = torch_distributed_transport(process_group)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 made.check_device(p.device)
@@ -115,7 +116,9 @@ def refuse_ddp(optimizer) -> None:
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     ddp = torch.nn.parallel.DistributedDataParallel
     for obj in gc.get_objects():
-        if isinstance(obj, ddp) and any(id(p) in params for p in obj.parameters()):
+        # type(), not isinstance(): isinstance reads obj.__class__, which some live objects
+        # answer with a warning (torch.distributed.reduce_op's FutureWarning)
+        if issubclass(type(obj), ddp) and any(id(p) in params for p in obj.parameters()):
             raise ValueError("the model is wrapped in torch.nn.parallel.DistributedDataParallel, which averages "
                              "every gradient in full precision before 0/1 Adam's own exchange: build the "
                              "optimizer on the plain model (drop the DDP wrapper) and let hvd_zoadam exchange")
