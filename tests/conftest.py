@@ -52,9 +52,15 @@ def run_job(launcher: str, np_: int, argv: list[str], timeout_s: int = JOB_TIMEO
 
 
 def run_cmd(cmd: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a launcher command line in the repository root; fail the test (not hang) past ``timeout_s``."""
+    """Run a launcher command line in the repository root; fail the test (not hang) past ``timeout_s``.
+    ``env``: variables to set on top of the test's defaults; a value None unsets one."""
     full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
-                    OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", **(env or {}))
+                    OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as job:
         try:

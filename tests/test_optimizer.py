@@ -448,7 +448,7 @@ def test_memory_report_matches_the_documented_formula_and_does_not_grow():
 
     def body(rank, transport):
         model = torch.nn.Module()
-        model.w = torch.nn.Parameter(torch.randn(1000, 1000) * 0.01)
+        model.w = torch.nn.Parameter(torch.randn(1000, 1000, generator=torch.Generator().manual_seed(0)) * 0.01)
         model.b = torch.nn.Parameter(torch.zeros(1000))
         model.v = torch.nn.Parameter(torch.zeros(3))
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=transport,
@@ -482,7 +482,8 @@ def test_memory_report_matches_the_documented_formula_and_does_not_grow():
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(op="adasum"), ValueError, "Adasum"),
-    (dict(groups=2), ValueError, "groups"),
+    (dict(groups=-1), ValueError, "groups should be a non-negative integer"),
+    (dict(num_groups=-1), ValueError, "num_groups must be a non-negative int"),
     (dict(backward_passes_per_step=0), ValueError, "backward_passes_per_step must be > 0"),
     (dict(gradient_predivide_factor=0.0), ValueError, "gradient_predivide_factor"),
     (dict(var_freeze_step=0), ValueError, "var_freeze_step"),

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from hvd_zoadam.bench import breakdown as _breakdown_mod, chaos as _bench_chaos, convergence as _bench_convergence, \
-    load as _bench_load, provenance, resume as _bench_resume, ROOT
+    load as _bench_load, provenance, resume as _bench_resume, torchrun as _bench_torchrun, ROOT
 from hvd_zoadam.bench.lm import COMPUTE_RUNS
 RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
@@ -877,6 +877,7 @@ def main(argv=None) -> int:
     _bench_resume.add_parser(sub)
     _bench_load.add_parser(sub)
     _bench_chaos.add_parser(sub)
+    _bench_torchrun.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "network":
         args.rate = args.rate or ["100mbit", "1gbit"]
@@ -901,6 +902,8 @@ def main(argv=None) -> int:
             return 0
     elif args.cmd == "chaos":
         report = _bench_chaos.run(args)
+    elif args.cmd == "torchrun":
+        report = _bench_torchrun.run(args)
     elif args.cmd == "resume":
         from hvd_zoadam.bench.lm import _train_lm
         report = _bench_resume.run(args, _train_lm() if args.case == "lm" else None)

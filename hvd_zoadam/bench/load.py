@@ -51,7 +51,7 @@ def formula_bytes(numels, world_size: int, *, bucket_cap_mb: float, scale_block_
     each bucket's fp32 allreduce, 2(P−1)/P·4·n_b; COMPRESSED and SYNC, each bucket's
     :func:`~hvd_zoadam.comm.protocol.exchange_bytes` (the scale slots' padding included);
     LOCAL, nothing; with ``overlap``, VARIANCE, COMPRESSED and SYNC steps add the allgather of
-    a 4-byte flag of :func:`~hvd_zoadam.comm.protocol.grads_changed_anywhere`, (P−1)·4 (not the
+    a 4-byte flag of :func:`~hvd_zoadam.comm.protocol.step_flags`, (P−1)·4 (not the
     first step after the freeze, which starts nothing early)."""
     cap = max(1, int(bucket_cap_mb * 2 ** 20 / 4))
     buckets = [[numels[i] for i in idx] for idx in make_buckets(numels, cap)]

@@ -4,7 +4,7 @@
   in nonblocking phases; :func:`exchange_buckets` pipelines it over several buckets.
 * :class:`Average`: the full-precision (fp32 or fp16-on-the-wire) average of a bucket's
   gradients, with its byte accounting.
-* :func:`grads_changed_anywhere` (the 4-byte "gradients changed after backward()?" flag)
+* :func:`step_flags` (the 4-byte flag: "gradients changed after backward()?", "no gradient here?")
   and :func:`check_layout` (the settings and layout check of algorithm.md §5).
 * :class:`CollectiveNames`: the one owner of collective names. Horovod pairs collectives
   by name and MPI by order, so both the names and the start order are part of the protocol.
@@ -76,8 +76,8 @@ class CollectiveNames:
         """Prefix of bucket ``index``'s error-feedback pooling (``.a`` alltoall, ``.b`` allgather)."""
         return f"{self.bucket(index)}.pool"
 
-    def grads_changed(self, step: int) -> str:
-        return f"zoadam.{self.prefix}.grads_changed.{step}"
+    def step_flags(self, step: int) -> str:
+        return f"zoadam.{self.prefix}.step_flags.{step}"
 
     @staticmethod
     def for_layout(layout, world_size: int) -> "CollectiveNames":
@@ -589,23 +589,27 @@ def pool_error_feedback(worker: torch.Tensor, server: torch.Tensor, contributors
     return both[:, 0].reshape(-1), both[:, 1].reshape(-1)
 
 
-def grads_changed_anywhere(transport: Transport, names: CollectiveNames, step: int, changed: bool) -> bool:
-    """Whether some rank's gradients changed after the hooks started their exchange: one
-    allgather of a 4-byte flag per rank, on every VARIANCE, COMPRESSED and SYNC step where
-    overlap is armed (a rank-independent condition), so that all ranks agree. An allgather, not
-    an average: it travels over the rounds' transport (:meth:`Transport.allgather_flag`; under
-    MPI on a communicator of its own) instead of waking Horovod's background thread, which on a
-    machine whose cores training fills costs more than the flag (docs/performance.md,
+GRADS_CHANGED = 1  # step_flags: this rank's gradients changed after the hooks started their exchange
+NO_GRADIENT = 2    # step_flags: this rank reached step() with no gradient at all (no backward())
+
+
+def step_flags(transport: Transport, names: CollectiveNames, step: int, flags: int) -> list[int]:
+    """Every rank's ``flags`` for step ``step`` (:data:`GRADS_CHANGED`, :data:`NO_GRADIENT`), in
+    rank order: one allgather of a 4-byte flag per rank, on every VARIANCE, COMPRESSED and SYNC
+    step where overlap is armed (a rank-independent condition), so that all ranks agree. An
+    allgather, not an average: it travels over the rounds' transport (:meth:`Transport.allgather_flag`;
+    under MPI on a communicator of its own) instead of waking Horovod's background thread, which
+    on a machine whose cores training fills costs more than the flag (docs/performance.md,
     "Horovod's background thread and the flag")."""
-    flag = torch.tensor([1 if changed else 0], dtype=torch.int32, device=transport.control_device)
-    flags = transport.allgather_flag(flag, names.grads_changed(step))
-    return bool(flags.any())
+    flag = torch.tensor([flags], dtype=torch.int32, device=transport.control_device)
+    return transport.allgather_flag(flag, names.step_flags(step)).tolist()
 
 
-def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> None:
+def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK, advice: dict | None = None) -> None:
     """algorithm.md §5: compare settings and parameter layout (``mine``, a dict of picklable
     items) across ranks. Raises ValueError on every rank on a mismatch, naming each difference
-    with both values. Collectives: one object allgather (uncounted) named ``name``, at P > 1."""
+    with both values, and for a differing key of ``advice`` (key -> a sentence) that sentence
+    first. Collectives: one object allgather (uncounted) named ``name``, at P > 1."""
     if transport.world_size == 1:
         return
     everyone = transport.allgather_object(mine, name)
@@ -620,6 +624,9 @@ def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK) -> 
         hint = (" The transports differ: transport='auto' resolved differently on these ranks (mpi4py, "
                 "MPI_THREAD_MULTIPLE, the address of HOROVOD_GLOO_IFACE, the parameters' device); pass the same "
                 "explicit transport on every rank." if mine.get("transport") != theirs.get("transport") else "")
+        first = [text for key, text in (advice or {}).items() if mine.get(key) != theirs.get(key)]
+        if first:
+            raise ValueError(f"hvd_zoadam: {first[0]} Differences: " + "; ".join(diffs[:10]))
         raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "
                          "the optimizer alike. Differences: " + "; ".join(diffs[:10]) + hint)
 

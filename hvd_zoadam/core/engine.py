@@ -178,7 +178,8 @@ class Engine:
         """The buffers were laid out for the parameters at construction: refuse to go on when a
         parameter was replaced in param_groups, resized in place, or cast or moved to another
         dtype or device (ValueError naming it)."""
-        current = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
+        current = [p for g in self.param_groups for p in g["params"]
+                   if p.numel() and (p.requires_grad or p in self.bucket_of)]  # frozen since: still laid out
         laid_out = [p for b in self.buckets for p in b.params]
         if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
                 and all(p.numel() == v.numel() for b in self.buckets for p, v in zip(b.params, b.views["exp_avg"])) \
@@ -196,10 +197,45 @@ class Engine:
                     raise ValueError(f"parameter {name!r} changed shape from {tuple(v.shape)} to {tuple(p.shape)} "
                                      "after the optimizer was built; its error buffers and chunks no longer fit. "
                                      "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
+        names = {p: n for b in self.buckets for p, n in zip(b.params, b.names)}
+        for index, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.requires_grad and p.numel() and p not in names:
+                    raise ValueError(f"param_groups[{index}]['params'][{j}] ({self.names.get(p, 'unnamed')!r}) "
+                                     "requires a gradient but had requires_grad=False when the optimizer was built, "
+                                     "so hvd_zoadam holds no state for it: build the optimizer while it is trainable "
+                                     "(a parameter frozen later keeps its state and stays still while frozen), or "
+                                     "put it in a group of its own with add_param_group")
         raise ValueError("the trainable parameters in param_groups are not the ones hvd_zoadam laid out at "
-                         "construction (a parameter was replaced, or requires_grad changed); build a new "
+                         "construction (a parameter was replaced or removed); build a new "
                          "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
                          "for new parameters")
+
+    def hold_frozen(self, variance: bool) -> list:
+        """Copies of what a step must not change for the laid-out parameters frozen since
+        (``requires_grad`` now False), as torch's Adam leaves a parameter without a gradient:
+        x (and its fp32 master), ``exp_avg``, the anchor, and on a VARIANCE step (``variance``)
+        ``exp_avg_sq``. Their gradients count as 0 in the exchange, as Horovod's do. Empty when
+        nothing is frozen (then this costs one pass over the parameters' flags)."""
+        held = []
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                if p.requires_grad:
+                    continue
+                keys = ("exp_avg", "anchor", "exp_avg_sq") if variance else ("exp_avg", "anchor")
+                saved = {key: b.views[key][j].clone() for key in keys}
+                held.append((b, j, p.detach().clone(), saved))
+        return held
+
+    def restore_frozen(self, held: list) -> None:
+        """Put back what :meth:`hold_frozen` copied."""
+        for b, j, x, saved in held:
+            p = b.params[j]
+            p.detach().copy_(x)
+            if b.master is not None:
+                b.master.split([q.numel() for q in b.params])[j].copy_(x.reshape(-1))
+            for key, value in saved.items():
+                b.views[key][j].copy_(value)
 
     def layout_items(self) -> dict:
         """The bucket layout for the cross-rank check: names, shapes, dtypes per bucket."""
@@ -210,6 +246,13 @@ class Engine:
         items["buckets"] = len(self.buckets)
         items["hierarchical"] = self.topology()
         return items
+
+    def params_digest(self) -> str:
+        """A digest of every laid-out parameter's bits (:func:`bits_checksum` of each), equal on
+        ranks that hold the same values whatever their devices' thread counts. One host
+        synchronisation; for the first step's check across ranks."""
+        sums = torch.stack([bits_checksum(p.detach()) for b in self.buckets for p in b.params])
+        return short_digest(sums.cpu().tolist())
 
     def topology(self):
         """``[nodes, ranks per node]`` of the two-level exchange, or None for the flat one."""
@@ -396,6 +439,25 @@ class DerivedFromExpAvgSq:
         """Derive everything again at its next use."""
         self._masks.clear()
         self._denoms.clear()
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """int64[2] of ``t`` (any floating dtype, any device): the sum of its elements' bit patterns
+    as integers, and the same sum weighted by (position mod 65521) + 1, both modulo 2**64.
+    Integer sums do not depend on the order of the reduction, so equal tensors give equal
+    checksums on any device and thread count; different ones, almost surely not. Works
+    through ``chunk`` elements at a time (a transient int64 copy of at most that many)."""
+    flat = t.contiguous().reshape(-1).view(_BITS[t.element_size()])
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for lo in range(0, flat.numel(), chunk):
+        bits = flat[lo:lo + chunk].to(torch.int64)
+        weight = torch.arange(lo, lo + bits.numel(), device=t.device, dtype=torch.int64).remainder_(65521).add_(1)
+        out[0] += bits.sum()
+        out[1] += (bits * weight).sum()
+    return out
 
 
 def short_digest(obj) -> str:

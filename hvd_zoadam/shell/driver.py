@@ -20,8 +20,8 @@ import warnings
 from hvd_zoadam import native
 from collections import Counter
 
-from hvd_zoadam.comm.protocol import (Average, StepMismatchError, check_layout, exchange_buckets,
-                                      grads_changed_anywhere)
+from hvd_zoadam.comm.protocol import (GRADS_CHANGED, NO_GRADIENT, Average, StepMismatchError, check_layout,
+                                      exchange_buckets, step_flags)
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
@@ -66,9 +66,10 @@ class StepDriver:
                 and not self._amp_seen and not self._counters.get(ADOPT_KEY)
                 and self._pending is None and getattr(self, "_ready", False))
 
-    def _check_layout(self) -> None:
-        """algorithm.md §5: settings and parameter layout compared across ranks (raises on every rank)."""
-        self._checked_layout = True
+    def _check_layout(self, no_gradient: bool = False) -> None:
+        """algorithm.md §5: settings and parameter layout compared across ranks, and that every
+        rank starts from the same parameters and ran backward() (raises on every rank; the next
+        step checks again)."""
         items = self.algorithm.settings()
         items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
                      scale_block_numel=self.scale_block_numel, auto_exp_avg_mask=self.auto_exp_avg_mask,
@@ -76,7 +77,15 @@ class StepDriver:
                      transport=self.transport.name,
                      compression=getattr(self.compression, "__name__", repr(self.compression)))
         items.update(self._engine.layout_items())
-        check_layout(self.transport, items)
+        if self.world_size > 1:
+            items.update(parameters=self._engine.params_digest(), backward=not no_gradient)
+        advice = {"backward": _no_backward_message("some rank"), "parameters": _PARAMETERS_DIFFER}
+        try:
+            check_layout(self.transport, items, advice=advice)
+        except ValueError:
+            self._reset_passes()  # raised on every rank, nothing exchanged: the step may be taken again
+            raise
+        self._checked_layout = True
 
     def _launch(self, window, bi: int) -> None:
         """Start bucket ``bi``'s exchange for the coming step: from the hooks, or from ``synchronize()``
@@ -141,15 +150,19 @@ class StepDriver:
         how = self.algorithm.gradient_exchange(kind)
         armed = self.algorithm.starts_early(step, kind) and self._can_overlap()  # the same on every rank
         self._engine.check_params_unchanged()
+        no_gradient = self._no_gradient_here()
         self._adopt_loaded_adam()
         if not self._checked_layout:
-            self._check_layout()
+            self._check_layout(no_gradient)
+        elif no_gradient and not armed:  # no flag to carry it this step: this rank raises alone
+            self._reset_passes()
+            raise RuntimeError("hvd_zoadam: " + _no_backward_message(f"rank {self.transport.rank}"))
         # the schedule moved under us (a load between backward and step)
         self._drain(self._overlap.stale(step, kind, len(self._buckets), self._launch))
         if armed:
             self.transport.counter.kind = kind.value
             self._overlap.complete(step, kind, len(self._buckets), self._launch)
-            self._redo_if_changed(step, kind)
+            self._agree_on_step(step, no_gradient)
         window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
         if kind is StepKind.SYNC and window is not None:  # completed by the step function's exchange
             self._sync_started = {id(self._buckets[bi]): handle for bi, handle in window.scales.items()}
@@ -193,18 +206,34 @@ class StepDriver:
                 return True
         return False
 
-    def _redo_if_changed(self, step: int, kind: StepKind) -> bool:
-        """Whether some rank's gradients changed after the hooks started their exchange (e.g.
-        clipped without synchronize()), agreed by one allgather of a 4-byte flag on every step
-        where overlap is armed, after every rank has started every bucket's early exchange
-        (:meth:`.Overlap.complete`), so the collectives pair up. True: the early exchanges are
-        completed and their results dropped, and the step exchanges the gradients as they are
-        now, like overlap=False (a COMPRESSED step's early worker side only staged its error:
-        ``worker_error`` is untouched until round 2)."""
-        if not grads_changed_anywhere(self.transport, self._collectives, step, self._grads_changed_here()):
-            return False
+    def _no_gradient_here(self) -> bool:
+        """Whether this rank reached the step with no gradient at all: every laid-out parameter
+        that requires one has ``grad`` None (no ``backward()`` since the last ``zero_grad()``)."""
+        trainable = [p for b in self._buckets for p in b.params if p.requires_grad]
+        return bool(trainable) and all(p.grad is None for p in trainable)
+
+    def _agree_on_step(self, step: int, no_gradient: bool) -> None:
+        """The ranks' flags for a step where overlap is armed, in one allgather of 4 bytes a rank
+        (:func:`~hvd_zoadam.comm.protocol.step_flags`), after every rank has started every
+        bucket's early exchange (:meth:`.Overlap.complete`), so the collectives pair up.
+
+        A rank without any gradient (:meth:`_no_gradient_here`): every rank raises RuntimeError
+        naming it, after the early exchanges are completed. Some rank's gradients changed after
+        the hooks started their exchange (e.g. clipped without synchronize()): the early
+        exchanges are completed and their results dropped, and the step exchanges the
+        gradients as they are now, like overlap=False (a COMPRESSED step's early worker side
+        only staged its error: ``worker_error`` is untouched until round 2)."""
+        mine = (GRADS_CHANGED if self._grads_changed_here() else 0) | (NO_GRADIENT if no_gradient else 0)
+        flags = step_flags(self.transport, self._collectives, step, mine)
+        if not any(flags):
+            return
         self._drain(self._overlap.window)
         self._overlap.window = None
+        missing = [rank for rank, flag in enumerate(flags) if flag & NO_GRADIENT]
+        if missing:
+            self._reset_passes()
+            raise RuntimeError("hvd_zoadam: " + _no_backward_message(
+                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
         if not self._warned_changed:
             self._warned_changed = True
             warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
@@ -212,7 +241,6 @@ class StepDriver:
                           "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
                           "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
                           "or build the optimizer with overlap=False.")
-        return True
 
     def _compress_grads(self, step: int, window) -> bool:
         """C(g) of every bucket into p.grad, shaped by the algorithm (see ZeroOneAdam.compressed_pre),
@@ -242,8 +270,14 @@ class StepDriver:
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
             self.synchronize()
-        if self._pending is None:
-            raise RuntimeError("step() inside skip_synchronize() needs a prior optimizer.synchronize()")
+        if self._pending is None:  # inside skip_synchronize() without a prior synchronize()
+            if not self._warned_unsynchronized:
+                self._warned_unsynchronized = True
+                warnings.warn("hvd_zoadam: optimizer.step() inside skip_synchronize() without a prior "
+                              "optimizer.synchronize(): hvd_zoadam runs synchronize() now, since 0/1 Adam cannot take "
+                              "a step without its exchange (the ranks would drift apart). To clip gradients, call "
+                              "opt.synchronize() first, then `with opt.skip_synchronize(): opt.step()`.")
+            self.synchronize()
         step, kind, skip = self._pending
         self._pending = None
         self._synchronized = False
@@ -251,10 +285,14 @@ class StepDriver:
         self.transport.counter.kind = kind.value
         ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange,
                           started_early=frozenset(self._sync_started))
+        held = self._engine.hold_frozen(kind is StepKind.VARIANCE)
         k = self.algorithm.apply(ctx, kind, skip)
+        if held:
+            self._engine.restore_frozen(held)
         skip = skip or ctx.skipped
         self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))
         counters.update(step=step, exp_avg_sq_steps=k)
+        self._mark_wrapped_stepped()
         if self._step_log:
             self._step_log.write(step, kind, skip, float(self.param_groups[0]["lr"]), self.comm_stats(), loss)
         self._reset_passes()
@@ -296,6 +334,20 @@ class StepDriver:
                                         f"{iteration})") from None
             seen = self.transport.allgather_object(self._announcing, f"zoadam.{self._collectives.prefix}.mismatch")
             raise StepMismatchError(_mismatch_message(str(exc), seen)) from None
+
+
+_PARAMETERS_DIFFER = (
+    "the ranks start from different parameters (a checksum of their bits differs). Make every rank's model the "
+    "same before the first step: hvd.broadcast_parameters(model.state_dict(), root_rank=0) under Horovod, "
+    "hvd_zoadam.distributed.broadcast_parameters(model.state_dict(), root_rank=0) under torchrun (what "
+    "DistributedDataParallel did at construction), hvd_zoadam.mpi.broadcast_parameters under mpirun; or load "
+    "the same checkpoint on every rank.")
+
+
+def _no_backward_message(who: str) -> str:
+    return (f"{who} called step() with no gradient at all (every parameter's grad is None: no backward() since "
+            "the last zero_grad()). Every rank must run backward() before each step(), or the others would "
+            "average its gradient as 0; to leave out a bad batch, multiply its loss by 0 on that rank.")
 
 
 def _odd_ones(values: list) -> tuple:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.shell.elastic import register_state_handler
 from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
-from hvd_zoadam.shell.options import check_horovod_arguments
+from hvd_zoadam.shell.options import check_horovod_arguments, horovod_groups
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
-                         op=None, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                         op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None, *, var_freeze_step=100000, var_update_scaler=16,
                          local_step_scaler=32768, local_step_clipper=16, local_step_policy="steps",
                          var_update_weighting="interval", bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel=2048,
@@ -40,8 +40,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     * ``gradient_predivide_factor``: as Horovod, splits the VARIANCE average into a
       divide by f before and a multiply by f/P after the sum. The 1-bit exchange is
       scale-free and does not use it.
-    * ``groups``: not supported (hvd_zoadam fuses parameters into buckets of
-      ``bucket_cap_mb`` itself); pass ``None``.
+    * ``num_groups``, ``groups``: accepted and checked as Horovod checks them (``num_groups``
+      is Horovod's deprecated name for ``groups``); hvd_zoadam fuses parameters into buckets
+      of ``bucket_cap_mb`` itself, so they change neither the buckets nor the results.
     * ``sparse_as_dense``: sparse gradients are densified when True and refused otherwise.
     * ``process_set``: the ranks this optimizer trains with (default: all). Unlike Horovod,
       a rank outside it cannot build the optimizer (ValueError): it would hold buffers laid
@@ -104,7 +105,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     Raises:
         TypeError: ``optimizer`` is not a plain ``torch.optim.Adam``/``AdamW``, a knob
             has the wrong type, or a parameter is on neither the CPU nor a CUDA device.
-        ValueError: an unsupported option (``amsgrad``, ``op=hvd.Adasum``, ``groups``, ...)
+        ValueError: an unsupported option (``amsgrad``, ``op=hvd.Adasum``, ...)
             or a knob out of range, the message naming the option and the fix; or two
             trainable parameters on different devices (one device per rank, as Horovod).
         RuntimeError: CUDA parameters where numba's CUDA target sees no device.
@@ -116,6 +117,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
             raise
         hvd = None  # an explicit transport (e.g. thread-ranks in tests) or torch.distributed needs no Horovod
 
+    groups = horovod_groups(num_groups, groups)
     register_state_handler(DistributedAdamOptimizer)
     compression, op = check_horovod_arguments(hvd, compression, op)
     return build_optimizer(

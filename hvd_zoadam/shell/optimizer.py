@@ -109,6 +109,9 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
         if step_log is not None and ("{rank}" in step_log or transport.rank == 0):
             self._step_log = StepLog(step_log.format(rank=transport.rank))
         self._names = self._name_parameters(named_parameters)
+        self._parameter_names = self._names  # Horovod's name for it, which Horovod's helpers read
+        self._wrapped = weakref.ref(optimizer)
+        self._share_state_with_wrapped()
         self._collectives = CollectiveNames.for_layout(self._layout_description(), transport.world_size)
         self._engine = Engine(self, self._names, self._resolve_masks(exp_avg_mask),
                               transport, self._collectives, bucket_cap_numel=bucket_cap_numel,
@@ -128,6 +131,7 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
         self._checked_layout = False
         self._amp_seen = False
         self._warned_changed = False
+        self._warned_unsynchronized = False
         self._sync_started = {}       # SYNC: id(bucket) -> round 1 the hooks started, for step()
         self._stats = CommStats()
         self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
@@ -140,6 +144,21 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
             raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
         native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
         self._ready = True
+
+    def _share_state_with_wrapped(self) -> None:
+        """The optimizer this one wraps holds the same ``state`` (and, from construction, the same
+        ``param_groups`` dicts): its ``state_dict()`` is this optimizer's state, not an empty one."""
+        wrapped = self._wrapped()
+        if wrapped is not None:
+            wrapped.state = self.state
+
+    def _mark_wrapped_stepped(self) -> None:
+        """Tell an LR scheduler built on the wrapped optimizer that a step ran: torch's schedulers
+        read ``_opt_called`` (set by their wrapper of ``step``, which the wrapped optimizer's
+        ``step`` never runs) and would otherwise warn that the scheduler stepped first."""
+        wrapped = self._wrapped()
+        if wrapped is not None:
+            wrapped._opt_called = True
 
     def set_iteration(self, iteration: int) -> None:
         """Give the training loop's iteration number, so that a rank that skips or repeats a

@@ -7,6 +7,7 @@ checkpoint contract (:mod:`hvd_zoadam.shell.torch_optim`); imports only :mod:`hv
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -84,6 +85,40 @@ def check_horovod_arguments(hvd, compression, op):
     return compression, op
 
 
+def horovod_groups(num_groups, groups):
+    """Horovod's ``groups``, with its deprecated alias ``num_groups`` (an int >= 0) taken as
+    Horovod takes it: a DeprecationWarning, and ``groups = num_groups`` when ``groups`` is None."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be a non-negative int (Horovod's deprecated name for groups), "
+                         f"got {num_groups!r}")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    return groups
+
+
+def check_groups(groups) -> None:
+    """Horovod's check of ``groups`` (ValueError with Horovod's texts): None, an int >= 0, or a
+    list of lists of tensors in which no tensor appears twice. hvd_zoadam fuses parameters into
+    buckets of ``bucket_cap_mb`` itself, so valid groups change neither the buckets nor the
+    results; they are accepted so that Horovod scripts run unchanged."""
+    if groups is None:
+        return
+    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups >= 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+
+
 def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense,
                     bias_correction, local_step_policy, scale_block_numel, bucket_cap_mb):
     """The factory's other arguments (the schedule's knobs are :class:`~hvd_zoadam.core.schedule.Schedule`'s).
@@ -95,9 +130,7 @@ def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, grou
     if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0 \
             or not math.isfinite(gradient_predivide_factor):
         raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}")
-    if groups is not None:
-        raise ValueError("groups is not supported by hvd_zoadam, which fuses parameters into buckets itself; "
-                         "pass groups=None and tune bucket_cap_mb instead")
+    check_groups(groups)
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
     if not isinstance(bias_correction, bool):

@@ -205,7 +205,9 @@ class StateDictMixin:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, then the loaded m, v and anchor are copied into the flat
-        buffers in float32 (no cast through a low-precision parameter dtype). The counters in
+        buffers in float32 (no cast through a low-precision parameter dtype). The loaded group
+        settings are written into the group dicts this optimizer already holds, which it shares
+        with the optimizer it wraps: an LR scheduler built on either goes on driving the step. The counters in
         ``param_groups`` are restored exactly, so the schedule resumes where it was. This
         rank's error buffers are kept; use a per-rank save to restore them too. The
         backward-pass count is reset, as Horovod does.
@@ -239,8 +241,16 @@ class StateDictMixin:
         for p in self._passes:
             self._passes[p] = 0
         buffers = ("exp_avg", "exp_avg_sq", "anchor", "exp_avg_mask")
+        groups = self.param_groups
         super().load_state_dict({**state_dict, "state": {i: {k: v for k, v in st.items() if k not in buffers}
                                                          for i, st in saved.items()}})
+        # torch's load makes new group dicts; the loaded values go into the ones this optimizer
+        # shares with the optimizer it wraps, so an LR scheduler built on either keeps driving
+        for mine, loaded in zip(groups, self.param_groups):
+            mine.clear()
+            mine.update(loaded)
+        self.param_groups = groups
+        self._share_state_with_wrapped()
         for b in self._buckets:
             for key in b.views:
                 skey = "exp_avg_mask" if key == "mask" else key
