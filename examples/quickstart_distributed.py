@@ -2,8 +2,9 @@
 
 A torchrun + AdamW script with the one-line change: no DistributedDataParallel wrapper, the
 AdamW wrapped by ``hvd_zoadam.distributed.DistributedOptimizer``. Prints the first and last
-loss and what rank 0 sent.
+loss, what rank 0 sent and the kernel threads each rank runs.
 """
+import numba
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,7 @@ for step in range(80):
 if dist.get_rank() == 0:
     stats = opt.comm_stats()
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; sent {stats['bytes_sent_total']} bytes "
-          f"({stats['bytes_sent_total'] / stats['adam_equivalent_bytes']:.3f} of Adam's) over {stats['transport']}")
+          f"({stats['bytes_sent_total'] / stats['adam_equivalent_bytes']:.3f} of Adam's) over {stats['transport']}; "
+          f"{numba.get_num_threads()} kernel thread(s) per rank")
 dist.barrier()  # every rank past its last collective, then the groups destroyed: an orderly end under Gloo
 dist.destroy_process_group()

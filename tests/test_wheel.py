@@ -1,13 +1,19 @@
-"""The wheel is self-contained: built from the checkout, installed into a fresh venv outside it,
-``hvd_zoadam`` and ``hvd_zoadam.native`` (shipped from the top-level ``native/`` folder, as
-setup.cfg maps it) import from that venv and work, and Horovod is optional: the venv has none,
-and the quick start of ``hvd_zoadam.distributed`` runs there under torchrun.
+"""The wheel is self-contained: built from the checkout as ``pip install .`` builds it (in pip's
+isolated build environment, no ``--no-build-isolation``), installed into a fresh venv outside
+it with its dependencies resolved by pip, ``hvd_zoadam`` and ``hvd_zoadam.native`` (shipped
+from the top-level ``native/`` folder, as setup.cfg maps it) import from that venv and work,
+and Horovod and mpi4py are optional: the venv has neither, and the quick start of
+``hvd_zoadam.distributed`` runs there under torchrun, one kernel thread per rank on 2 cores.
+With mpi4py added (the ``mpi`` extra) the MPI quick start runs under mpirun.
 
-Nothing is downloaded: the fresh venv reaches torch, numba and numpy through a ``.pth`` file
-naming a folder of links to the packages of the interpreter running the tests, every one of
-them except Horovod (and the checkout's editable install). A path line in a ``.pth`` only joins
-``sys.path``; the ``.pth`` files inside that folder are not processed, so the checkout stays out
-of reach, and the test checks that before installing the wheel.
+The build environment's setuptools and wheel come from the package index, and so does what
+the venv's own older setuptools lacks for torch; nothing else is downloaded: the fresh venv
+reaches torch, numba and numpy through a ``.pth`` file naming a folder of links to the packages
+of the interpreter running the tests, every one of them except Horovod, mpi4py (and the
+checkout's editable install), so pip finds them installed, and the test checks that mpi4py
+is still absent after the install. A path line in a
+``.pth`` only joins ``sys.path``; the ``.pth`` files inside that folder are not processed, so
+the checkout stays out of reach, and the test checks that before installing the wheel.
 """
 from __future__ import annotations
 
@@ -67,17 +73,21 @@ def _probe(python: Path, code: str, cwd: Path, env: dict) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _dependency_dirs(farm: Path) -> list[str]:
+LEFT_OUT = ("horovod", "mpi4py", "__editable__", "hvd_zoadam")
+
+
+def _dependency_dirs(farm: Path, left_out=LEFT_OUT) -> list[str]:
     """``[farm]``: a folder of links to every package in the site-packages of this interpreter's
-    torch, numba and numpy, except Horovod and editable installs (a venv without Horovod)."""
+    torch, numba and numpy, except those whose names start with ``left_out`` (by default Horovod,
+    mpi4py and editable installs: a venv without Horovod or mpi4py)."""
     import numba
     import numpy
     import torch
-    farm.mkdir()
+    farm.mkdir(exist_ok=True)
     for mod in (torch, numba, numpy):
         for entry in Path(mod.__file__).resolve().parent.parent.iterdir():
             low = entry.name.lower()
-            if low.startswith(("horovod", "__editable__", "hvd_zoadam")) or low.endswith(".pth"):
+            if low.startswith(left_out) or low.endswith(".pth"):
                 continue
             if not (farm / entry.name).exists():
                 (farm / entry.name).symlink_to(entry)
@@ -109,8 +119,8 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
         (tmp / "egg").mkdir()
         extra_cfg.write_text(f"[build]\nbuild_base = {tmp / 'build'}\n[egg_info]\negg_base = {tmp / 'egg'}\n"
                              f"[bdist_wheel]\nbdist_dir = {tmp / 'bdist'}\n")
-        _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
-              "-w", dist, ROOT], work, {**env, "DIST_EXTRA_CONFIG": str(extra_cfg)}, timeout=300)
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", dist, ROOT], work,
+             {**env, "DIST_EXTRA_CONFIG": str(extra_cfg)}, timeout=300)
         wheels = sorted(dist.glob("hvd_zoadam-*.whl"))
         assert len(wheels) == 1, list(dist.iterdir())
         with zipfile.ZipFile(wheels[0]) as zf:
@@ -133,7 +143,7 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
         assert before["editable_finders"] == [] and before["editable_modules"] == [], before
         assert before["hvd_zoadam"] is None or not _inside(before["hvd_zoadam"], ROOT), before
 
-        _run([python, "-m", "pip", "install", "--no-deps", "--no-index", wheels[0]], work, env, timeout=300)
+        _run([python, "-m", "pip", "install", wheels[0]], work, env, timeout=300)
 
         after = _probe(python, PROBE_AFTER_INSTALL, work, env)
         for name, file in after["files"].items():
@@ -143,18 +153,28 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_outside_the_checkout():
         # MSB first, +1 -> bit 1, ±0 -> +1: 1,0,1,1,1,1,0,0 = 0b10111100
         assert after["packed"] == [188] and after["packed_dtype"] == "torch.uint8", after
 
-        # Horovod is optional: none in this venv, and the quick starts without it run under torchrun and mpirun.
-        assert _run([python, "-c", "import importlib.util; print(importlib.util.find_spec('horovod'))"], work, env,
-                    timeout=120).stdout.strip() == "None"
+        # Horovod and mpi4py are optional: neither is in this venv, and the torchrun quick start runs there
+        # with one kernel thread per rank on 2 cores (NUMBA_NUM_THREADS unset: the launcher's 2 ranks share them).
+        for optional in ("horovod", "mpi4py"):
+            assert _run([python, "-c", f"import importlib.util; print(importlib.util.find_spec('{optional}'))"], work,
+                        env, timeout=120).stdout.strip() == "None", optional
         script = work / "quickstart_distributed.py"
         script.write_text((ROOT / "examples" / "quickstart_distributed.py").read_text())
+        tdist_env = {k: v for k, v in env.items() if k != "NUMBA_NUM_THREADS"}
         proc = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script], work,
-                    {**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+                    {**tdist_env, "OMP_NUM_THREADS": "1"}, timeout=300)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("loss ")]
         assert line and "over torch.distributed (gloo)" in line[0], proc.stdout + proc.stderr
         first, last = (float(v) for v in line[0].split(";")[0][5:].split(" -> "))
         assert last < 0.1 * first, line[0]
-        # and the quick start over MPI alone, under mpirun
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        assert f"{threads} kernel thread(s) per rank" in line[0], line[0]
+        info = _run([python, "-m", "hvd_zoadam.info", "--json"], work, env, timeout=120).stdout
+        front_ends = json.loads(info)["front_ends"]
+        assert front_ends["hvd_zoadam.distributed (torchrun)"] is None, front_ends
+        assert "pip install 'hvd_zoadam[mpi]'" in front_ends["hvd_zoadam.mpi (mpirun, srun)"], front_ends
+        # with the mpi extra's mpi4py, the quick start over MPI alone, under mpirun
+        _dependency_dirs(tmp / "site", left_out=tuple(name for name in LEFT_OUT if name != "mpi4py"))
         script = work / "quickstart_mpi.py"
         script.write_text((ROOT / "examples" / "quickstart_mpi.py").read_text())
         proc = _run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", python, script], work,
