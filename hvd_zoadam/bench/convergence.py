@@ -51,7 +51,7 @@ from hvd_zoadam.bench.workloads import Workload, build
 from hvd_zoadam.comm.hierarchical import hierarchical_exchange_bytes
 from hvd_zoadam.comm.protocol import exchange_bytes
 from hvd_zoadam.core.layout import scale_segments
-from hvd_zoadam.core.schedule import Schedule, StepKind
+from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.oracle.simulate import simulate_zoadam
 
 # name -> (simulate_zoadam keyword overrides, schedule overrides)
@@ -204,7 +204,7 @@ def _adam(names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
 # can stand in for training Adam again (``--baseline-json``).
 BASELINE_FREE = ("variants", "vmap_chunk_size", "baseline_json", "ranks_per_node", "scale_block_numel",
                  "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
-                 "local_step_policy", "var_update_weighting")
+                 "local_step_policy", "var_update_weighting", "library_defaults")
 
 
 class BaselineError(ValueError):
@@ -330,24 +330,38 @@ def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched=False):
     overrides = dict(overrides)
     if overrides.get("clip_scale") == "1/sqrt_p":  # the bound without its factor sqrt(P)
         overrides["clip_scale"] = 1 / math.sqrt(args.ranks)
-    freeze = args.var_freeze_step or args.warmup
-    knobs = {"var_freeze_step": freeze, "var_update_scaler": args.var_update_scaler,
-             "local_step_scaler": args.local_step_scaler, "local_step_clipper": args.local_step_clipper,
-             "local_step_policy": args.local_step_policy, "var_update_weighting": args.var_update_weighting}
-    for key, value in sched_overrides.items():
-        if key == "var_freeze_step":  # "2x": twice the freeze; "steps": never within the run
-            value = {"2x": 2 * freeze, "steps": args.steps}[value]
-        knobs[key] = value
-    schedule = Schedule(**knobs)
+    schedule, auto_freeze, scale = _schedule(args, sched_overrides)
     if overrides.get("ranks_per_node") == "L":
         overrides["ranks_per_node"] = args.ranks_per_node
     trace = []
     fns = {"batched_grad_fn": grad_fn} if batched else {"grad_fn": grad_fn}
     final, kinds = simulate_zoadam(init, world_size=args.ranks, steps=args.steps, schedule=schedule, lr_fn=lr_fn,
                                    betas=(0.9, args.beta2), weight_decay=weight_decay, decoupled=True,
-                                   scale_block_numel=args.scale_block_numel, trace=trace, stacked=batched,
-                                   **fns, **overrides)
+                                   scale_block_numel=scale, trace=trace, stacked=batched,
+                                   auto_freeze=auto_freeze, **fns, **overrides)
     return final, trace, kinds
+
+
+def _schedule(args, sched_overrides: dict):
+    """``(schedule, auto_freeze, scale_block_numel)`` of a 0/1 Adam variant: with
+    ``--library-defaults`` the optimizer's own defaults as it decides them at ``args.ranks``
+    ranks (:func:`~hvd_zoadam.shell.options.resolve_schedule`; the knob arguments are not read),
+    else the knob arguments (``--var-freeze-step`` defaults to ``--warmup``); then the variant's
+    overrides (a freeze of ``"2x"``: twice the freeze; ``"steps"``: never within the run)."""
+    from hvd_zoadam.shell.options import resolve_schedule
+    from hvd_zoadam.shell.torch_distributed import KNOBS
+    names = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "local_step_policy",
+             "var_update_weighting", "scale_block_numel")
+    if getattr(args, "library_defaults", False):
+        knobs = {name: KNOBS[name] for name in names}
+    else:
+        knobs = {name: getattr(args, name) for name in names}
+        knobs["var_freeze_step"] = args.var_freeze_step or args.warmup
+    for key, value in sched_overrides.items():
+        if key == "var_freeze_step":  # "2x": twice the freeze; "steps": never within the run
+            value = {"2x": 2 * knobs["var_freeze_step"], "steps": args.steps}[value]
+        knobs[key] = value
+    return resolve_schedule(args.ranks, args.beta2, **knobs)
 
 
 def _bytes(name, kinds, numels, args) -> dict:
@@ -361,7 +375,7 @@ def _bytes(name, kinds, numels, args) -> dict:
     allreduce = 2 * (p - 1) / p * 4 * n
     if kinds is None:
         return {"bytes_per_rank": allreduce * args.steps}
-    segments = scale_segments(numels, args.scale_block_numel)
+    segments = scale_segments(numels, _schedule(args, VARIANTS[name][1])[2])
     local = VARIANTS[name][0].get("ranks_per_node")
     counts = {kind: sum(1 for k in kinds if k is kind) for kind in StepKind}
     onebit = counts[StepKind.COMPRESSED] + counts[StepKind.SYNC]
@@ -426,6 +440,10 @@ def _add_knobs(parser) -> None:
     parser.add_argument("--var-update-weighting", choices=["interval", "paper"], default="interval",
                         help="how much an update of v weighs (the optimizer's var_update_weighting)")
     parser.add_argument("--scale-block-numel", type=int, default=256)
+    parser.add_argument("--library-defaults", action="store_true",
+                        help="0/1 Adam with the optimizer's own defaults, as DistributedOptimizer(opt, "
+                             "named_parameters) with no knob decides them at --ranks ranks (the freeze during "
+                             "training from the learning rate); the knob arguments above are then not read")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--oracle", choices=["batched", "per-rank"], default="batched",
                         help="batched: the P ranks' gradients in one vmap'd call and the stacked exchange (fast at "

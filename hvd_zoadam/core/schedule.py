@@ -11,11 +11,13 @@ never reset a schedule (algorithm.md §7 #6).
 from __future__ import annotations
 
 import enum
+import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LOCAL_STEP_POLICIES = ("steps", "lr", "constant")
 VAR_UPDATE_WEIGHTINGS = ("interval", "paper")
+NEVER = 2 ** 62  # a var_freeze_step no run reaches: v not frozen (yet)
 
 
 class StepKind(enum.Enum):
@@ -189,3 +191,50 @@ class Schedule:
             out["local_step_interval"] = self.local_step_interval(step, lr, freeze_lr)
             out["local_step_counter"] = past % self.local_step_scaler
         return out
+
+
+@dataclass(frozen=True)
+class AutoFreeze:
+    """``var_freeze_step="auto"`` (algorithm.md §4, "The freeze, decided during training"): T_f
+    from the learning rate, which every rank reads alike, so that no rank asks another.
+
+    The warm-up is over at step t = 2W, W the last step whose learning rate rose above the step
+    before's (W = 1 when it never rose), once the rate has not risen again for W steps (a
+    warm-up that rises in plateaus, as one stepped per epoch, is not taken as over on its first
+    plateau). Then T_f = max(t, 15κ, ⌈(1/4)/(1 − β2)⌉): twice the warm-up; no earlier than the
+    end of T_v's fourth interval, so that v has had 4κ updates; and no earlier than a quarter
+    of v's horizon 1/(1 − β2) (250 steps at β2 = 0.999, 13 at 0.98). Once decided, T_f never
+    changes.
+
+    Args:
+        var_update_scaler: κ of the schedule. beta2: β2 of the first param group.
+    """
+
+    var_update_scaler: int
+    beta2: float
+
+    def earliest(self) -> int:
+        """The earliest T_f whatever the warm-up: max(15κ, ⌈(1/4)/(1 − β2)⌉) steps."""
+        return max(15 * self.var_update_scaler, math.ceil(0.25 / max(1e-12, 1.0 - self.beta2)))
+
+    def observe(self, state: dict, step: int, lr: float) -> int | None:
+        """Take step ``step``'s learning rate into ``state`` (a dict the caller keeps, the same on
+        every rank: ``lr_rise_step``, ``last_lr``, ``var_freeze_step``; empty at first), and
+        return T_f once decided (also ``state["var_freeze_step"]``), else None. Pure but for
+        ``state``: the same calls give the same answers on every rank. T_f >= ``step``, so the
+        kind of ``step`` itself does not depend on whether it was observed."""
+        if state.get("var_freeze_step") is not None:
+            return state["var_freeze_step"]
+        last = state.get("last_lr")
+        if last is not None and lr > last:
+            state["lr_rise_step"] = step
+        state["last_lr"] = float(lr)
+        warmup = max(1, state.get("lr_rise_step") or 0)
+        if step >= 2 * warmup:
+            state["var_freeze_step"] = max(step, self.earliest())
+        return state.get("var_freeze_step")
+
+    def schedule(self, base: Schedule, state: dict) -> Schedule:
+        """``base`` with the T_f decided in ``state`` (:data:`NEVER` while undecided)."""
+        decided = state.get("var_freeze_step")
+        return base if decided is None or decided == base.var_freeze_step else replace(base, var_freeze_step=decided)

@@ -116,7 +116,8 @@ def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_
 def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
                     eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
                     precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
-                    ranks_per_node=None, batched_grad_fn=None, stacked=True, sync_momentum_average=0.0):
+                    ranks_per_node=None, batched_grad_fn=None, stacked=True, sync_momentum_average=0.0,
+                    auto_freeze=None):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -136,6 +137,9 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             :mod:`hvd_zoadam.native.reference` call by call. The two differ at most in the
             last float64 bit of a scale's sum of squares.
         lr_fn: ``lr_fn(step) -> float``.
+        auto_freeze: an :class:`~hvd_zoadam.core.schedule.AutoFreeze` when T_f is decided during
+            the run, as the optimizer's ``var_freeze_step="auto"`` (``schedule.var_freeze_step``
+            is then :data:`~hvd_zoadam.core.schedule.NEVER`); None: ``schedule``'s T_f.
         weight_decay: λ, a float, or (decoupled only) a float32[n] tensor of per-element λ in
             bucket order (e.g. 0 for biases and norms, as param groups do).
 
@@ -222,19 +226,23 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
             m_.mul_(mask)
         x_.addcdiv_(m_, denom, value=-lr / bc1)
 
+    freeze_state = {}  # the optimizer's counters of var_freeze_step="auto"
     for t in range(1, steps + 1):
         lr = lr_fn(t)
-        kind = schedule.kind(t, lr=lr, freeze_lr=freeze_lr)
+        sched = schedule if auto_freeze is None else auto_freeze.schedule(schedule, freeze_state)
+        kind = sched.kind(t, lr=lr, freeze_lr=freeze_lr)
+        if auto_freeze is not None:  # after the kind: a T_f decided at t is >= t (the optimizer observes after the step)
+            auto_freeze.observe(freeze_state, t, lr)
         kinds.append(kind)
         bc1 = 1 - beta1 ** t if bias_correction else 1.0
-        if kind in (StepKind.LOCAL, StepKind.SYNC) and t == schedule.var_freeze_step + 1:
+        if kind in (StepKind.LOCAL, StepKind.SYNC) and t == sched.var_freeze_step + 1:
             freeze_lr = lr
             errors.zero_()
             anchor = x[0].clone()
         g = flat_grads(t)
         mask = (v != 0) if auto_mask else None
         if kind is StepKind.VARIANCE:
-            interval = schedule.variance_update_steps(t, k)  # I: v's update weighs as I steps
+            interval = sched.variance_update_steps(t, k)  # I: v's update weighs as I steps
             k += interval
             avg = row_sum(g) / world_size
             if decoupled and has_decay:

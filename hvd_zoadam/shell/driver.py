@@ -15,6 +15,7 @@ What it does per step:
 """
 from __future__ import annotations
 
+import logging
 import warnings
 
 from hvd_zoadam import native
@@ -26,6 +27,8 @@ from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
+
+_log = logging.getLogger("hvd_zoadam")
 
 
 class StepDriver:
@@ -50,13 +53,13 @@ class StepDriver:
     def _next_kind(self) -> tuple[int, StepKind]:
         c = self._counters
         step = c["step"] + 1
-        return step, self.algorithm.kind(step, float(self.param_groups[0]["lr"]), c["freeze_lr"])
+        return step, self.algorithm.kind(step, float(self.param_groups[0]["lr"]), c)
 
     def _next_early_kind(self) -> tuple:
         """(step, kind) of the coming step for the hooks; kind None when the algorithm's step
         exchanges what it needs itself (nothing to start early)."""
         step, kind = self._next_kind()
-        return step, kind if self.algorithm.starts_early(step, kind) else None
+        return step, kind if self.algorithm.starts_early(step, kind, self._counters) else None
 
     def _can_overlap(self) -> bool:
         # Not before the first step's settings check (a mismatch must fail fast, not hang in a
@@ -148,7 +151,7 @@ class StepDriver:
         for b in self._buckets:
             b.exchange.step = announced  # announced in round 1: ranks at different steps fail fast
         how = self.algorithm.gradient_exchange(kind)
-        armed = self.algorithm.starts_early(step, kind) and self._can_overlap()  # the same on every rank
+        armed = self.algorithm.starts_early(step, kind, self._counters) and self._can_overlap()  # same on every rank
         self._engine.check_params_unchanged()
         no_gradient = self._no_gradient_here()
         self._adopt_loaded_adam()
@@ -292,11 +295,33 @@ class StepDriver:
         skip = skip or ctx.skipped
         self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))
         counters.update(step=step, exp_avg_sq_steps=k)
+        self._observe_freeze(counters)
         self._mark_wrapped_stepped()
         if self._step_log:
             self._step_log.write(step, kind, skip, float(self.param_groups[0]["lr"]), self.comm_stats(), loss)
         self._reset_passes()
         return loss
+
+    def _observe_freeze(self, counters: dict) -> None:
+        """The step's learning rate into a freeze decided during training
+        (``var_freeze_step="auto"``, :class:`~hvd_zoadam.core.schedule.AutoFreeze`); rank 0 logs the
+        decision once, and once a warning when the rate still rises long after v could have
+        frozen (the freeze then waits: never worse than Adam's quality, more bytes)."""
+        auto = self.algorithm.auto_freeze
+        if auto is None or counters.get("var_freeze_step") is not None:
+            return
+        decided = self.algorithm.observe(counters, float(self.param_groups[0]["lr"]))
+        if self.transport.rank != 0:
+            return
+        if decided is not None:
+            _log.info("hvd_zoadam: v freezes after step %d (var_freeze_step='auto': the learning rate last rose at "
+                      "step %d; at least %d steps)", decided, max(1, counters.get("lr_rise_step") or 0), auto.earliest())
+        elif counters["step"] == 4 * auto.earliest():
+            _log.warning("hvd_zoadam: var_freeze_step='auto' has not frozen v by step %d: the learning rate is still "
+                         "rising (last at step %d). v freezes at twice the warm-up once the rate has stopped rising "
+                         "for as long as it rose; until then the steps exchange 1-bit gradients and full-precision "
+                         "averages (Adam's quality, more bytes). Set var_freeze_step to choose the step yourself.",
+                         counters["step"], counters.get("lr_rise_step") or 0)
 
     def _exchange(self, buckets, fill, consume, consume_packed=None) -> bool:
         """The 1-bit exchange of ``buckets`` for a step function (see :func:`.protocol.exchange_buckets`),

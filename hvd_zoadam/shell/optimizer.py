@@ -27,10 +27,11 @@ from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.core.algorithms.onebit import OnebitAdam as _OnebitAdam
 from hvd_zoadam.core.algorithms.zeroone import ZeroOneAdam
 from hvd_zoadam.core.engine import Engine
-from hvd_zoadam.core.schedule import Schedule
+from hvd_zoadam.core.schedule import AutoFreeze, Schedule
 from hvd_zoadam.shell.driver import StepDriver
 from hvd_zoadam.shell.horovod_contract import HorovodContract
-from hvd_zoadam.shell.options import STATE_KEY, check_arguments, check_group, check_named_parameters
+from hvd_zoadam.shell.options import (AUTO, STATE_KEY, check_arguments, check_group, check_named_parameters,
+                                      resolve_schedule)
 from hvd_zoadam.shell.overlap import Overlap
 from hvd_zoadam.shell.stats import CommStats, ReportsMixin, StepLog
 from hvd_zoadam.shell.torch_optim import ParamGroupsMixin, StateDictMixin
@@ -85,14 +86,13 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
                  scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
                  precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True,
-                 algorithm: str = "zoadam", hierarchical=False):
+                 algorithm: str = "zoadam", hierarchical=False, auto_freeze: AutoFreeze | None = None):
         self._ready = False
         # Not super(): built by DistributedOptimizer, this class sits before the wrapped
         # torch.optim.Adam/AdamW in the MRO, and their __init__ must not run (as in Horovod).
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, dict(optimizer.defaults))
-        self.schedule = schedule
-        self.algorithm = ZeroOneAdam(schedule, precondition_compression) if algorithm == "zoadam" \
-            else _OnebitAdam(schedule.var_freeze_step)
+        self.algorithm = ZeroOneAdam(schedule, precondition_compression, auto_freeze) if algorithm == "zoadam" \
+            else _OnebitAdam(schedule)
         self.transport = transport
         self.world_size = transport.world_size
         self.compression = compression
@@ -144,6 +144,12 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
             raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
         native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
         self._ready = True
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule in force: the knobs', with the T_f decided so far under
+        ``var_freeze_step="auto"`` (:data:`~hvd_zoadam.core.schedule.NEVER` while undecided)."""
+        return self.algorithm.schedule(self.param_groups[0][STATE_KEY])
 
     def _share_state_with_wrapped(self) -> None:
         """The optimizer this one wraps holds the same ``state`` (and, from construction, the same
@@ -251,17 +257,25 @@ def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end
     if algorithm not in ("zoadam", "onebit"):
         raise ValueError(f"algorithm must be 'zoadam' (0/1 Adam) or 'onebit' (1-bit Adam), got {algorithm!r}")
     if algorithm == "onebit":
-        zoadam_only = dict(var_update_scaler=(var_update_scaler, 16), local_step_scaler=(local_step_scaler, 32768),
-                           local_step_clipper=(local_step_clipper, 16), local_step_policy=(local_step_policy, "steps"),
+        zoadam_only = dict(var_update_scaler=(var_update_scaler, AUTO), local_step_scaler=(local_step_scaler, 32768),
+                           local_step_clipper=(local_step_clipper, 8), local_step_policy=(local_step_policy, "lr"),
                            precondition_compression=(precondition_compression, True),
                            var_update_weighting=(var_update_weighting, "interval"))
         for name, (value, default) in zoadam_only.items():
             if value != default:
                 raise ValueError(f"{name}={value!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
                                  "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
+        if var_freeze_step == AUTO:
+            raise ValueError("algorithm='onebit' (1-bit Adam) needs var_freeze_step, its freeze_step, as a number of "
+                             "steps: the paper advises 15-25 % of training (hvd_zoadam.OnebitAdam(..., freeze_step=T))")
         var_update_scaler = 1  # every warm-up step updates v
-    schedule = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
-                        local_step_policy, var_update_weighting)
+
+    knobs = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                 local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
+                 local_step_policy=local_step_policy, var_update_weighting=var_update_weighting,
+                 scale_block_numel=scale_block_numel)
+    beta2 = optimizer.param_groups[0]["betas"][1]
+    resolve_schedule(1, beta2, **knobs)  # the schedule's checks, before the transport is asked anything
     # Every argument is checked before the transport is asked anything (initialised? in the group?).
     if named_parameters is not None:
         named_parameters = list(named_parameters)
@@ -269,8 +283,10 @@ def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end
     for index, group in enumerate(optimizer.param_groups):
         check_group(group, index)
     transport = resolve_transport()
+    schedule, auto_freeze, scale_block_numel = resolve_schedule(transport.world_size, beta2, **knobs)
     return optimizer_class(algorithm, type(optimizer))(
-        optimizer, named_parameters, schedule=schedule, transport=transport, compression=compression,
+        optimizer, named_parameters, schedule=schedule, auto_freeze=auto_freeze, transport=transport,
+        compression=compression,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=float(gradient_predivide_factor), sparse_as_dense=sparse_as_dense,
         bias_correction=bias_correction, bucket_cap_numel=max(1, int(bucket_cap_mb * 2 ** 20 / 4)),

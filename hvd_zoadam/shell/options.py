@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from hvd_zoadam.core.schedule import LOCAL_STEP_POLICIES, check_positive_int
+from hvd_zoadam.core.schedule import LOCAL_STEP_POLICIES, NEVER, AutoFreeze, Schedule, check_positive_int
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 ADOPT_KEY = "adopt_at_next_step"  # in the counters after loading an Adam checkpoint, until the next step
@@ -119,10 +119,41 @@ def check_groups(groups) -> None:
                 seen.add(id(p))
 
 
+AUTO = "auto"  # a knob's default that the optimizer decides (from the world size, or during training)
+
+
+def auto_var_update_scaler(world_size: int) -> int:
+    """κ under ``var_update_scaler="auto"``: 8 below 64 ranks, 14 from 64 (at 64 and more ranks one
+    rank's gradient is mostly noise, and the steps between VARIANCE steps are what costs
+    quality; measured in docs/performance.md, "Quality at 2 to 128 workers")."""
+    return 8 if world_size < 64 else 14
+
+
+def auto_scale_block_numel(world_size: int) -> int:
+    """Elements per 1-bit scale under ``scale_block_numel="auto"``: 256 below 32 ranks, 64 from 32
+    (the 1-bit error weighs more as the average's own noise falls)."""
+    return 256 if world_size < 32 else 64
+
+
+def resolve_schedule(world_size: int, beta2: float, *, var_freeze_step, var_update_scaler, local_step_scaler,
+                     local_step_clipper, local_step_policy, var_update_weighting, scale_block_numel):
+    """The knobs with their ``"auto"`` values decided for ``world_size`` ranks and the first
+    param group's ``beta2``, as the optimizer decides them: ``(schedule, auto_freeze,
+    scale_block_numel)``, ``auto_freeze`` an :class:`~hvd_zoadam.core.schedule.AutoFreeze` under
+    ``var_freeze_step="auto"`` (the schedule's T_f is then :data:`~hvd_zoadam.core.schedule.NEVER`
+    until it decides), else None. Raises as :class:`~hvd_zoadam.core.schedule.Schedule`."""
+    kappa = auto_var_update_scaler(world_size) if var_update_scaler == AUTO else var_update_scaler
+    schedule = Schedule(NEVER if var_freeze_step == AUTO else var_freeze_step, kappa, local_step_scaler,
+                        local_step_clipper, local_step_policy, var_update_weighting)
+    auto_freeze = AutoFreeze(kappa, beta2) if var_freeze_step == AUTO else None
+    scale = auto_scale_block_numel(world_size) if scale_block_numel == AUTO else scale_block_numel
+    return schedule, auto_freeze, scale
+
+
 def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense,
                     bias_correction, local_step_policy, scale_block_numel, bucket_cap_mb):
     """The factory's other arguments (the schedule's knobs are :class:`~hvd_zoadam.core.schedule.Schedule`'s).
-    Returns ``scale_block_numel`` as an int (or None)."""
+    Returns ``scale_block_numel`` as an int (or None, or ``"auto"``)."""
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be an int, got {backward_passes_per_step!r}")
     if backward_passes_per_step <= 0:
@@ -137,9 +168,10 @@ def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, grou
         raise TypeError(f"bias_correction must be a bool, got {bias_correction!r}")
     if local_step_policy not in LOCAL_STEP_POLICIES:
         raise ValueError(f"local_step_policy must be one of {LOCAL_STEP_POLICIES}, got {local_step_policy!r}")
-    if scale_block_numel is not None:
+    if scale_block_numel is not None and scale_block_numel != AUTO:
         scale_block_numel = check_positive_int(scale_block_numel, "scale_block_numel",
-                                               "Use a multiple of 8 such as 2048, or None for one scale per tensor.")
+                                               "Use 'auto', a multiple of 8 such as 256, or None for one scale "
+                                               "per tensor.")
         if scale_block_numel % 8:
             raise ValueError(f"scale_block_numel must be a multiple of 8 (whole bytes of sign bits per block), "
                              f"got {scale_block_numel}")

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from hvd_zoadam.core.schedule import StepKind
+from hvd_zoadam.core.schedule import NEVER, StepKind
 
 KIND_NAMES = [k.value for k in StepKind]
 
@@ -104,10 +104,13 @@ class ReportsMixin:
         return self._engine.memory_bytes()
 
     def schedule_state(self) -> dict:
-        """The schedule after the last step: step, frozen, var_interval, var_counter,
+        """The schedule after the last step: step, frozen, var_freeze_step (None while
+        ``var_freeze_step="auto"`` has not decided it), var_interval, var_counter,
         exp_avg_sq_steps, local_step_interval, local_step_counter, freeze_lr."""
         c = self._counters
-        out = self.schedule.describe(c["step"], lr=float(self.param_groups[0]["lr"]), freeze_lr=c["freeze_lr"])
+        schedule = self.schedule
+        out = schedule.describe(c["step"], lr=float(self.param_groups[0]["lr"]), freeze_lr=c["freeze_lr"])
+        out["var_freeze_step"] = None if schedule.var_freeze_step == NEVER else schedule.var_freeze_step
         out.update(exp_avg_sq_steps=c["exp_avg_sq_steps"], freeze_lr=c["freeze_lr"],
                    lr_sum=[g["lr_sum"] for g in self.param_groups])
         return out

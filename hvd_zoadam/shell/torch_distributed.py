@@ -34,10 +34,10 @@ __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadc
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *, backward_passes_per_step=1,
-                         var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32768,
-                         local_step_clipper=16, local_step_policy="steps", var_update_weighting="interval",
+                         var_freeze_step="auto", var_update_scaler="auto", local_step_scaler=32768,
+                         local_step_clipper=8, local_step_policy="lr", var_update_weighting="interval",
                          bias_correction=True, transport="auto",
-                         bucket_cap_mb=25.0, scale_block_numel=2048, exp_avg_mask=None, auto_exp_avg_mask=True,
+                         bucket_cap_mb=25.0, scale_block_numel="auto", exp_avg_mask=None, auto_exp_avg_mask=True,
                          precondition_compression=True, step_log=None, overlap=True, algorithm="zoadam",
                          hierarchical=False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into 0/1 Adam (or 1-bit Adam) over a

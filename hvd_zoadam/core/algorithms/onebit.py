@@ -15,7 +15,7 @@ No collectives here: the step calls ``ctx.exchange``.
 from __future__ import annotations
 
 from hvd_zoadam.core import kinds
-from hvd_zoadam.core.schedule import StepKind
+from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.algorithms.zeroone import variance_step
 
@@ -24,23 +24,34 @@ class OnebitAdam:
     """1-bit Adam's schedule and step functions.
 
     Args:
-        freeze_step: the last warm-up step (full-precision Adam); compression starts at
+        schedule: a :class:`~hvd_zoadam.core.schedule.Schedule` whose ``var_freeze_step`` is
+            ``freeze_step``, the last warm-up step (full-precision Adam); compression starts at
             ``freeze_step + 1``. The paper advises 15–25 % of training.
     """
 
     name = "onebit"
+    auto_freeze = None  # freeze_step is always given
     GRADIENT_EXCHANGE = {StepKind.VARIANCE: "average", StepKind.COMPRESSED: None}
 
-    def __init__(self, freeze_step: int):
-        self.freeze_step = freeze_step
+    def __init__(self, schedule: Schedule):
+        self.base_schedule = schedule
+        self.freeze_step = schedule.var_freeze_step
 
-    def kind(self, step: int, lr: float, freeze_lr) -> StepKind:
+    def schedule(self, counters: dict) -> Schedule:
+        """The schedule: ``freeze_step`` is always given, never decided during training."""
+        return self.base_schedule
+
+    def kind(self, step: int, lr: float, counters: dict) -> StepKind:
         return StepKind.VARIANCE if step <= self.freeze_step else StepKind.COMPRESSED
 
     def gradient_exchange(self, kind: StepKind):
         return self.GRADIENT_EXCHANGE[kind]
 
-    def starts_early(self, step: int, kind: StepKind) -> bool:
+    def observe(self, counters: dict, lr: float) -> int:
+        """T_f: ``freeze_step``, always decided."""
+        return self.freeze_step
+
+    def starts_early(self, step: int, kind: StepKind, counters: dict) -> bool:
         """Whether the backward hooks may start step ``step``'s exchange: the gradient average
         of the warm-up only (the momentum exchange runs in ``step()``)."""
         return self.gradient_exchange(kind) is not None

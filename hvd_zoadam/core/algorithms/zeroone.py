@@ -18,7 +18,7 @@ import torch
 
 from hvd_zoadam.core import kinds
 from hvd_zoadam import native
-from hvd_zoadam.core.schedule import Schedule, StepKind
+from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
 from hvd_zoadam.core.algorithms import StepContext
 
 
@@ -29,33 +29,53 @@ class ZeroOneAdam:
         schedule: the pure :class:`~hvd_zoadam.core.schedule.Schedule` (T_v, T_f, T_u).
         precondition_compression: compress g/s and x_a − x (True, the default) instead of the
             paper's g and (x_a − x)·s (docs/algorithm.md §2, "Compression domain").
+        auto_freeze: an :class:`~hvd_zoadam.core.schedule.AutoFreeze` when T_f is decided during
+            training (``var_freeze_step="auto"``; ``schedule.var_freeze_step`` is then
+            :data:`~hvd_zoadam.core.schedule.NEVER`), else None. The decision lives in the
+            counters (``var_freeze_step``), which travel with ``state_dict()``.
     """
 
     name = "zoadam"
     GRADIENT_EXCHANGE = {StepKind.VARIANCE: "average", StepKind.COMPRESSED: "compressed",
                          StepKind.LOCAL: None, StepKind.SYNC: None}
 
-    def __init__(self, schedule: Schedule, precondition_compression: bool = True):
-        self.schedule = schedule
+    def __init__(self, schedule: Schedule, precondition_compression: bool = True,
+                 auto_freeze: AutoFreeze | None = None):
+        self.base_schedule = schedule
         self.precondition_compression = precondition_compression
+        self.auto_freeze = auto_freeze
 
-    def kind(self, step: int, lr: float, freeze_lr) -> StepKind:
-        return self.schedule.kind(step, lr=lr, freeze_lr=freeze_lr)
+    def schedule(self, counters: dict) -> Schedule:
+        """The schedule in force: the base one, with the T_f the counters hold under ``"auto"``."""
+        return self.base_schedule if self.auto_freeze is None else self.auto_freeze.schedule(self.base_schedule,
+                                                                                             counters)
+
+    def kind(self, step: int, lr: float, counters: dict) -> StepKind:
+        return self.schedule(counters).kind(step, lr=lr, freeze_lr=counters["freeze_lr"])
 
     def gradient_exchange(self, kind: StepKind):
         return self.GRADIENT_EXCHANGE[kind]
 
-    def starts_early(self, step: int, kind: StepKind) -> bool:
+    def starts_early(self, step: int, kind: StepKind, counters: dict) -> bool:
         """Whether the backward hooks may start step ``step``'s exchange before ``step()``: the
         gradient exchanges, and a SYNC step's exchange of the window's update except at the
         first step after the freeze (which sets the anchor in ``step()``)."""
         if kind is StepKind.SYNC:
-            return step != self.schedule.var_freeze_step + 1
+            return step != self.schedule(counters).var_freeze_step + 1
         return self.gradient_exchange(kind) is not None
+
+    def observe(self, counters: dict, lr: float) -> int | None:
+        """After step ``counters["step"]``: with ``var_freeze_step="auto"``, its learning rate
+        into the decision (:meth:`AutoFreeze.observe`). Returns T_f once decided, else None."""
+        if self.auto_freeze is None:
+            return self.base_schedule.var_freeze_step
+        return self.auto_freeze.observe(counters, counters["step"], lr)
 
     def settings(self) -> dict:
         """The settings every rank must share (for the layout check)."""
-        items = {f"schedule.{k}": v for k, v in vars(self.schedule).items()}
+        items = {f"schedule.{k}": v for k, v in vars(self.base_schedule).items()}
+        if self.auto_freeze is not None:
+            items["schedule.var_freeze_step"] = "auto"
         items["precondition_compression"] = self.precondition_compression
         return items
 
@@ -99,10 +119,11 @@ class ZeroOneAdam:
     def apply(self, ctx: StepContext, kind: StepKind, skip: bool) -> int:
         """Run step ``ctx.step`` of ``kind`` on every bucket (nothing when ``skip``: the agreed
         skip of algorithm.md §5). Returns the new ``exp_avg_sq_steps`` k."""
-        if kind in (StepKind.LOCAL, StepKind.SYNC) and ctx.step == self.schedule.var_freeze_step + 1:
+        schedule = self.schedule(ctx.counters)
+        if kind in (StepKind.LOCAL, StepKind.SYNC) and ctx.step == schedule.var_freeze_step + 1:
             self.enter_freeze(ctx)
         if kind is StepKind.VARIANCE:
-            i = self.schedule.variance_update_steps(ctx.step, ctx.counters["exp_avg_sq_steps"])
+            i = schedule.variance_update_steps(ctx.step, ctx.counters["exp_avg_sq_steps"])
             k = ctx.counters["exp_avg_sq_steps"] + (0 if skip else i)
             if not skip:
                 variance_step(ctx, k, i)
