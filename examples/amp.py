@@ -40,8 +40,7 @@ def main(argv=None):
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                          named_parameters=model.named_parameters(), var_freeze_step=20,
-                                          var_update_scaler=2, local_step_scaler=10, local_step_clipper=4)
+                                          named_parameters=model.named_parameters())
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype is torch.float16)
     gen = torch.Generator().manual_seed(hvd.rank())
     w_true = torch.randn(32, 4, generator=torch.Generator().manual_seed(42))

@@ -14,7 +14,7 @@ dist.init_process_group("gloo")  # "nccl" with the model on this rank's GPU
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-opt = zd.DistributedOptimizer(opt, model.named_parameters(), var_freeze_step=20, var_update_scaler=2)
+opt = zd.DistributedOptimizer(opt, model.named_parameters())
 zd.broadcast_parameters(model.state_dict(), root_rank=0)
 zd.broadcast_optimizer_state(opt, root_rank=0)
 

@@ -13,7 +13,7 @@ rank = MPI.COMM_WORLD.Get_rank()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-opt = zm.DistributedOptimizer(opt, model.named_parameters(), var_freeze_step=20, var_update_scaler=2)
+opt = zm.DistributedOptimizer(opt, model.named_parameters())
 zm.broadcast_parameters(model.state_dict(), root_rank=0)
 zm.broadcast_optimizer_state(opt, root_rank=0)
 

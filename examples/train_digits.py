@@ -54,8 +54,7 @@ def main(argv=None):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.optimizer == "zoadam":
-        opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(), var_freeze_step=50,
-                                              var_update_scaler=4, local_step_scaler=50, local_step_clipper=4)
+        opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     else:
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     gen = torch.Generator().manual_seed(args.seed + hvd.rank())

@@ -200,21 +200,24 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: the GPU of this rank's local rank when torch sees one, else the CPU")
     ap.add_argument("--tensorboard", help="write TensorBoard scalars here (rank 0), when tensorboard is installed")
-    ap.add_argument("--var-freeze-step", type=int, default=None,
-                    help="default: twice --warmup (the paper's §4 says the warm-up's end; see the README)")
-    ap.add_argument("--var-update-scaler", type=int, default=8)
-    ap.add_argument("--local-step-scaler", type=int, default=40)
-    ap.add_argument("--local-step-clipper", type=int, default=8)
-    ap.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default="lr")
-    ap.add_argument("--var-update-weighting", choices=["interval", "paper"], default="interval",
-                    help="how much an update of v weighs: the steps since the last one (interval) or one step (paper)")
+    knobs = ap.add_argument_group("0/1 Adam's knobs (default: not passed, the optimizer's own defaults)")
+    knobs.add_argument("--var-freeze-step", type=int, default=None)
+    knobs.add_argument("--var-update-scaler", type=int, default=None)
+    knobs.add_argument("--local-step-scaler", type=int, default=None)
+    knobs.add_argument("--local-step-clipper", type=int, default=None)
+    knobs.add_argument("--local-step-policy", choices=["steps", "lr", "constant"], default=None)
+    knobs.add_argument("--var-update-weighting", choices=["interval", "paper"], default=None,
+                       help="how much an update of v weighs: the steps since the last one (interval) or one step")
+    knobs.add_argument("--scale-block-numel", type=int, default=None, help="elements per 1-bit scale")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="fused bucket size (hvd_zoadam's bucket_cap_mb); 0 = one bucket per tensor")
-    ap.add_argument("--scale-block-numel", type=int, default=256,
-                    help="elements per 1-bit scale (hvd_zoadam's scale_block_numel)")
     ap.add_argument("--transport", default="auto", choices=["auto", "horovod", "mpi", "gloo", "torch.distributed"],
                     help="what moves hvd_zoadam's rounds (its transport argument)")
     return ap.parse_args(argv)
+
+
+KNOBS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "local_step_policy",
+         "var_update_weighting", "scale_block_numel")  # passed to the optimizer only when given
 
 
 def main(argv=None):
@@ -245,13 +248,10 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     if args.optimizer == "zoadam":
         front_end = hvd_zoadam.distributed if isinstance(hvd, TorchDistributed) else hvd_zoadam
+        knobs = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}
         opt = front_end.DistributedOptimizer(
-            inner, named_parameters=model.named_parameters(),
-            var_freeze_step=args.var_freeze_step or 2 * args.warmup, var_update_scaler=args.var_update_scaler,
-            local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
-            local_step_policy=args.local_step_policy, var_update_weighting=args.var_update_weighting,
-            scale_block_numel=args.scale_block_numel, bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9,
-            transport=args.transport)
+            inner, named_parameters=model.named_parameters(), **knobs,
+            bucket_cap_mb=args.bucket_cap_mb if args.bucket_cap_mb > 0 else 1e-9, transport=args.transport)
     else:
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))

@@ -54,6 +54,7 @@ RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
     "adam-fp16": "(b) Horovod AdamW fp16",
     "zoadam": "(c) hvd_zoadam 0/1 Adam",
+    "zoadam-defaults": "(c) 0/1 Adam with its defaults, no knob set",
     "zoadam-torchrun": "(c) 0/1 Adam under torchrun",
     "zoadam-mpi": "(c) 0/1 Adam over mpi4py, no Horovod",
     "ddp-powersgd": "(d) DDP + PowerSGD",
@@ -65,7 +66,8 @@ RUN_LABELS = {
     "diloco-h8": "(h) torchft DiLoCo, H = 8",
     "diloco-h32": "(h) torchft DiLoCo, H = 32",
 }
-DEFAULT_RUNS = [run for run in RUN_LABELS if run not in ("compute-horovod", "compute-lockstep", "zoadam-mpi")]
+DEFAULT_RUNS = [run for run in RUN_LABELS if run not in ("compute-horovod", "compute-lockstep", "zoadam-mpi",
+                                                         "zoadam-defaults")]
 
 
 # -- network ---------------------------------------------------------------------------------
@@ -483,7 +485,7 @@ def cmd_step(args) -> dict:
     # One optimizer per kind, with a schedule that makes every timed step that kind.
     configs = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
                StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
-               StepKind.LOCAL: dict(var_freeze_step=1, local_step_scaler=1, local_step_clipper=1 << 20),
+               StepKind.LOCAL: dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1, local_step_clipper=1 << 20),
                StepKind.SYNC: dict(var_freeze_step=1)}
     for kind, cfg in configs.items():
         m = model()
@@ -843,6 +845,12 @@ def main(argv=None) -> int:
     st.add_argument("--iters", type=int, default=10)
     st.add_argument("--repeats", type=int, default=5)
     st.add_argument("--json")
+    st.add_argument("--count", action="store_true",
+                    help="count, per step kind, the numba launches, torch ops, collectives, host syncs, allocations "
+                         "and bytes moved per parameter of one step (hvd_zoadam.bench.count), instead of timing")
+    st.add_argument("--path", choices=["cpu", "cuda-sim"], default="cpu",
+                    help="with --count: the CPU path, or the CUDA path under numba's CUDA simulator")
+    st.add_argument("--world-size", type=int, default=2, help="with --count: thread ranks")
     ke = sub.add_parser("kernels", help="the 1-bit compressor kernels against copy bandwidth")
     ke.add_argument("--numel", type=int, default=1 << 24)
     ke.add_argument("--threads", type=int, default=1)
@@ -882,6 +890,9 @@ def main(argv=None) -> int:
     if args.cmd == "network":
         args.rate = args.rate or ["100mbit", "1gbit"]
         report = cmd_network(args)
+    elif args.cmd == "step" and args.count:
+        from hvd_zoadam.bench import count as _bench_count
+        report = _bench_count.run(args)
     elif args.cmd == "step":
         report = cmd_step(args)
     elif args.cmd == "kernels":

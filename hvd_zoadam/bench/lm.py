@@ -55,10 +55,10 @@ import torch.nn.functional as F
 
 from hvd_zoadam.bench.breakdown import Breakdown
 
-RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd", "ddp-localsgd", "compute",
+RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-defaults", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd", "ddp-localsgd", "compute",
         "compute-horovod", "compute-lockstep", "onebit")
 COMPUTE_RUNS = ("compute", "compute-horovod")  # no collective in the steps: each rank reports its own speed
-ZOADAM_RUNS = ("zoadam", "zoadam-torchrun", "zoadam-mpi")
+ZOADAM_RUNS = ("zoadam", "zoadam-defaults", "zoadam-torchrun", "zoadam-mpi")
 
 
 def example_module(name: str):
@@ -245,6 +245,18 @@ def _adamw_impl(args, run=None) -> dict:
     return {args.adamw: True}
 
 
+def _zoadam_knobs(args) -> dict:
+    """The 0/1 Adam knobs a run passes: none for ``zoadam-defaults`` (the optimizer's own
+    defaults); the tuned recipe of the other 0/1 Adam runs (the freeze at the warm-up's end,
+    a scale per 256 elements, the rest from the worker's arguments)."""
+    if args.run == "zoadam-defaults":
+        return {}
+    return {"var_freeze_step": args.warmup, "var_update_scaler": args.var_update_scaler,
+            "local_step_scaler": args.local_step_scaler, "local_step_clipper": args.local_step_clipper,
+            "local_step_policy": args.local_step_policy, "var_update_weighting": args.var_update_weighting,
+            "scale_block_numel": 256}
+
+
 def _onebit_freeze(args) -> int:
     return max(1, round(args.onebit_freeze_frac * args.steps))
 
@@ -254,7 +266,7 @@ def main(argv=None):
     lm = _train_lm()
     torch.set_num_threads(1)
     hvd = dist = comm = None
-    if args.run in ("adam", "adam-fp16", "zoadam", "onebit", "compute-horovod"):
+    if args.run in ("adam", "adam-fp16", "zoadam", "zoadam-defaults", "onebit", "compute-horovod"):
         import horovod.torch as hvd
         hvd.init()
         rank, world = hvd.rank(), hvd.size()
@@ -292,15 +304,12 @@ def main(argv=None):
         import hvd_zoadam
         import hvd_zoadam.distributed as zd
         import hvd_zoadam.mpi as zm
-        factory = {"zoadam": hvd_zoadam.DistributedOptimizer, "zoadam-torchrun": zd.DistributedOptimizer,
-                   "zoadam-mpi": zm.DistributedOptimizer}[args.run]
+        factory = {"zoadam": hvd_zoadam.DistributedOptimizer, "zoadam-defaults": hvd_zoadam.DistributedOptimizer,
+                   "zoadam-torchrun": zd.DistributedOptimizer, "zoadam-mpi": zm.DistributedOptimizer}[args.run]
         extra = {"compression": hvd.Compression.fp16} if args.compression == "fp16" else {}
         opt = factory(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)),
-                      named_parameters=model.named_parameters(), var_freeze_step=args.warmup,
-                      var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
-                      local_step_clipper=args.local_step_clipper, local_step_policy=args.local_step_policy,
-                      var_update_weighting=args.var_update_weighting, scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb,
-                      overlap=args.overlap == "on", **extra)
+                      named_parameters=model.named_parameters(), **_zoadam_knobs(args), transport=args.transport,
+                      bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap == "on", **extra)
     elif args.run in ("adam", "adam-fp16", "onebit"):
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
         if args.run == "onebit":
@@ -385,13 +394,9 @@ def main(argv=None):
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
                                                                                         "local", "sync")},
                    bytes_sent_by_kind={k: stats[k]["bytes_sent"] for k in ("variance", "compressed", "local", "sync")},
-                   timed_seconds_by_kind=kind_s,
-                   config={"var_freeze_step": args.warmup, "var_update_scaler": args.var_update_scaler,
-                           "local_step_policy": args.local_step_policy, "local_step_scaler": args.local_step_scaler,
-                           "local_step_clipper": args.local_step_clipper, "scale_block_numel": 256,
-                           "var_update_weighting": args.var_update_weighting,
-                           "bucket_cap_mb": args.bucket_cap_mb, "compression": args.compression,
-                           "overlap": args.overlap == "on"})
+                   timed_seconds_by_kind=kind_s, var_freeze_step=opt.schedule_state()["var_freeze_step"],
+                   config={**_zoadam_knobs(args), "bucket_cap_mb": args.bucket_cap_mb,
+                           "compression": args.compression, "overlap": args.overlap == "on"})
     if not args.run.startswith(("zoadam", "onebit")):
         out["adamw"] = args.adamw
     if args.run.startswith("adam"):

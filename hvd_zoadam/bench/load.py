@@ -31,7 +31,7 @@ from hvd_zoadam.core.layout import make_buckets, scale_segments
 # One optimizer per kind, with a schedule that makes every timed step that kind (as bench step).
 KIND_CONFIGS = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
                 StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
-                StepKind.LOCAL: dict(var_freeze_step=1, local_step_scaler=1, local_step_clipper=1 << 20),
+                StepKind.LOCAL: dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1, local_step_clipper=1 << 20),
                 StepKind.SYNC: dict(var_freeze_step=1)}
 
 

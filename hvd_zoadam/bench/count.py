@@ -1,0 +1,277 @@
+"""``python -m hvd_zoadam.bench step --count``: what one optimizer step launches, per step kind.
+
+    python -m hvd_zoadam.bench step --count --path cpu|cuda-sim --world-size P --json OUT
+
+For each step kind, one step of rank 0 (of P thread ranks in this process) is counted after
+four steps of warm-up (step 5, of that kind): the numba kernel launches (counted where Python calls a kernel: a CPU
+kernel's dispatcher, a CUDA kernel's launch; not the device functions a kernel calls), the torch
+ops (every op that reaches torch's dispatcher, views included), the collectives (the
+transport's ``start``, flags and set-up messages), the host synchronisations (ops of hvd_zoadam's
+that read a tensor's value on the host: ``item``, ``bool()``, ``equal``, ``nonzero``; torch's
+optimizers read their host-side step counters, which costs no synchronisation), the
+allocations (tensors an op returns in new storage) and the bytes moved per parameter (each
+non-view op's tensor inputs and outputs, and each kernel launch's array arguments, counted
+once each, over the number of parameters). ``--path cuda-sim`` runs the optimizer's CUDA path
+on CPU tensors under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``; the command sets it
+and runs itself again when it is not set).
+
+The model is the layout of ``bench step``'s GPT on the GPU (8 layers of width 1024, 102 tensors,
+24 buckets at the default ``bucket_cap_mb``) with every tensor and the bucket cap 1024 times
+smaller (:func:`scaled_model`): the same tensors in the same buckets, as the counts depend on the
+tensors and buckets, not on their sizes (bytes are counted per parameter). Overlap is off,
+so that all of a step's work happens inside ``step()``. Prints and writes
+``{"buckets": B, "params": n, "kinds": {kind: {"numba_launches", "torch_ops", "collectives",
+"host_syncs", "allocations", "bytes_per_param"}}}``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+SYNC_OPS = {"_local_scalar_dense", "equal", "is_nonzero", "nonzero"}
+DIVISOR = 1024  # the counted model is the reference layout this many times smaller
+KIND_CONFIGS = {"variance": dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
+                "compressed": dict(var_freeze_step=10 ** 9, var_update_scaler=1),
+                "local": dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1,
+                              local_step_clipper=1 << 20),
+                "sync": dict(var_freeze_step=1)}
+
+
+class Counter(TorchDispatchMode):
+    """Counts what reaches torch's dispatcher on the thread that entered it (modes are per thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.torch_ops = self.host_syncs = self.allocations = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.torch_ops += 1
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS and _from_hvd_zoadam():
+            self.host_syncs += 1
+        view = any(r.alias_info is not None for r in func._schema.returns)
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not view:
+            storages = {t.untyped_storage().data_ptr() for t in ins}
+            self.allocations += sum(1 for t in outs if t.untyped_storage().data_ptr() not in storages)
+            self.bytes += sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values())
+        return out
+
+
+def _from_hvd_zoadam() -> bool:
+    """Whether hvd_zoadam's own code made the op: a sync torch's optimizers make reads a step
+    counter that lives on the host (``capturable=False``), which costs nothing on a GPU."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("hvd_zoadam") and not name.startswith("hvd_zoadam.bench"):
+            return True
+        if name.startswith("torch.optim"):
+            return False
+        frame = frame.f_back
+    return False
+
+
+class Launches:
+    """Counts numba kernel launches made from ``thread``: calls of the CPU kernels' dispatchers in
+    :mod:`hvd_zoadam.native.cpu` and CUDA kernel launches (the simulator's or numba-cuda's), and the
+    bytes of their array arguments. A context manager; restores what it patched."""
+
+    def __init__(self, thread):
+        self.thread = thread
+        self.launches = 0
+        self.bytes = 0
+        self._undo = []
+
+    def _seen(self, args):
+        if threading.current_thread() is not self.thread:
+            return
+        self.launches += 1
+        self.bytes += sum(int(getattr(a, "nbytes", 0)) for a in args if hasattr(a, "shape"))
+
+    def __enter__(self):
+        from numba.core.registry import CPUDispatcher
+        from hvd_zoadam.native import cpu
+        for name, fn in vars(cpu).items():
+            if isinstance(fn, CPUDispatcher):
+                self._wrap(cpu, name, fn)
+        try:
+            from numba.cuda.simulator.kernel import FakeCUDAKernel
+            self._wrap_call(FakeCUDAKernel, lambda k: not k._device)
+        except ImportError:
+            pass
+        try:
+            from numba.cuda.dispatcher import _LaunchConfiguration
+            self._wrap_call(_LaunchConfiguration, lambda k: True)
+        except ImportError:
+            pass
+        return self
+
+    def _wrap(self, module, name, fn):
+        def counted(*args, **kwargs):
+            self._seen(args)
+            return fn(*args, **kwargs)
+        setattr(module, name, counted)
+        self._undo.append(lambda: setattr(module, name, fn))
+
+    def _wrap_call(self, cls, is_launch):
+        original = cls.__call__
+
+        def counted(kernel, *args, **kwargs):
+            if is_launch(kernel):
+                self._seen(args)
+            return original(kernel, *args, **kwargs)
+        cls.__call__ = counted
+        self._undo.append(lambda: setattr(cls, "__call__", original))
+
+    def __exit__(self, *exc):
+        for undo in reversed(self._undo):
+            undo()
+
+
+def reference_layout() -> list[tuple[str, int]]:
+    """``(name, numel)`` of the parameters of ``bench step``'s GPT on the GPU (CharGPT, 8 layers of
+    width 1024: 102 tensors, 101 M parameters), read from a model on the meta device."""
+    from hvd_zoadam.bench.lm import _train_lm
+    with torch.device("meta"):
+        model = _train_lm().CharGPT(84, 128, 8, 1024, 4)
+    return [(name, p.numel()) for name, p in model.named_parameters()]
+
+
+def scaled_model(divisor: int) -> tuple[torch.nn.Module, float]:
+    """The reference layout with each tensor ``divisor`` times smaller (1-D, at least one element)
+    and ``bucket_cap_mb`` as much smaller: the same tensors in the same 24 buckets (checked).
+    Returns ``(model, bucket_cap_mb)``."""
+    import math
+
+    from hvd_zoadam.core.layout import make_buckets
+    layout = reference_layout()
+    cap = int(25 * 2 ** 20 / 4)
+    small = [max(1, math.ceil(n / divisor)) for _, n in layout]
+    if make_buckets(small, cap // divisor) != make_buckets([n for _, n in layout], cap):
+        raise ValueError(f"the layout {divisor} times smaller is bucketed otherwise; use a smaller --divisor")
+    model = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    for (name, _), n in zip(layout, small):
+        model.register_parameter(name.replace(".", "_"), torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02))
+    return model, (cap // divisor) * 4 / 2 ** 20
+
+
+def count(path: str, world_size: int, divisor: int = DIVISOR) -> dict:
+    """The counts of one step of each kind, rank 0 of ``world_size`` thread ranks (see the module
+    docstring). ``path``: ``"cpu"`` or ``"cuda-sim"`` (the CUDA simulator must be on)."""
+    import hvd_zoadam
+    from hvd_zoadam import native
+    from hvd_zoadam.comm.transport import ThreadGroup
+    if path == "cuda-sim":
+        native.use_cuda_kernels_on_cpu()
+    cap = scaled_model(divisor)[1]
+    report = {"path": path, "world_size": world_size, "divisor": divisor, "bucket_cap_mb": cap, "kinds": {}}
+
+    def body(rank, transport, knobs, out):
+        model = scaled_model(divisor)[0]
+        gen = torch.Generator().manual_seed(1 + rank)
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              bucket_cap_mb=cap, overlap=False, **knobs)
+        for t in range(5):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+            if t < 4 or rank != 0:  # the counting patches are global: one rank counts
+                opt.step()
+                continue
+            calls = {"collectives": 0}
+            for name in ("start", "allgather_flag", "allgather_object"):
+                _count_calls(transport, name, calls)
+            mode, launches = Counter(), Launches(threading.current_thread())
+            with launches, mode, _counting_tolist(mode):
+                opt.step()
+            out.update(buckets=len(opt._engine.buckets), params=sum(p.numel() for p in model.parameters()),
+                       kind=opt.schedule.kind(5, lr=1e-3, freeze_lr=1e-3).value,
+                       numba_launches=launches.launches, torch_ops=mode.torch_ops,
+                       collectives=calls["collectives"], host_syncs=mode.host_syncs,
+                       allocations=mode.allocations, bytes=mode.bytes + launches.bytes)
+
+    for kind, knobs in KIND_CONFIGS.items():
+        out = {}
+        group = ThreadGroup(world_size, timeout_s=600)
+        threads = [threading.Thread(target=body, args=(r, t, knobs, out if r == 0 else {}))
+                   for r, t in enumerate(group.transports())]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if out.get("kind") != kind:
+            raise RuntimeError(f"bench step --count: the step counted as {kind} was {out.get('kind')}")
+        report["buckets"], report["params"] = out["buckets"], out["params"]
+        report["kinds"][kind] = {k: out[k] for k in ("numba_launches", "torch_ops", "collectives", "host_syncs",
+                                                     "allocations")}
+        report["kinds"][kind]["bytes_per_param"] = round(out["bytes"] / out["params"], 1)
+    report["adamw_foreach"] = _adamw_counts(divisor)
+    return report
+
+
+def _adamw_counts(divisor: int) -> dict:
+    """The same counts for ``torch.optim.AdamW(foreach=True)``'s step on the same model."""
+    model = scaled_model(divisor)[0]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for _ in range(3):
+        opt.step()
+    mode = Counter()
+    with mode:
+        opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    return {"numba_launches": 0, "torch_ops": mode.torch_ops, "collectives": 0, "host_syncs": mode.host_syncs,
+            "allocations": mode.allocations, "bytes_per_param": round(mode.bytes / n, 1)}
+
+
+@contextlib.contextmanager
+def _counting_tolist(mode: Counter):
+    """``Tensor.tolist`` (which reads the values without an op a dispatch mode sees) counted as a
+    host synchronisation of ``mode``'s thread when hvd_zoadam's code calls it."""
+    original, thread = torch.Tensor.tolist, threading.current_thread()
+
+    def tolist(t):
+        if threading.current_thread() is thread and _from_hvd_zoadam():
+            mode.host_syncs += 1
+        return original(t)
+    torch.Tensor.tolist = tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original
+
+
+def _count_calls(obj, name: str, calls: dict) -> None:
+    original = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls["collectives"] += 1
+        return original(*args, **kwargs)
+    setattr(obj, name, counted)
+
+
+def run(args) -> dict:
+    """``bench step --count``; with ``--path cuda-sim`` and the simulator off, runs itself again
+    with ``NUMBA_ENABLE_CUDASIM=1`` (numba reads it at import) and returns that run's report."""
+    from numba import config
+    if args.path == "cuda-sim" and not config.ENABLE_CUDASIM:
+        proc = subprocess.run([sys.executable, "-m", "hvd_zoadam.bench", *sys.argv[1:]], capture_output=True,
+                              text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench step --count under the CUDA simulator failed:\n{proc.stderr[-3000:]}")
+        import json
+        return {k: v for k, v in json.loads(proc.stdout).items() if k != "provenance"}
+    return count(args.path, args.world_size)
