@@ -17,7 +17,8 @@ from conftest import run_threads
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
 
-KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4,
+             local_step_policy="steps")
 
 
 def test_a_nan_on_one_rank_skips_communicating_steps_everywhere():
@@ -141,7 +142,7 @@ def test_half_precision_models_train_with_fp32_internals(dtype):
             torch.manual_seed(3)
             model = torch.nn.Linear(32, 8).to(dt)
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
-                                              var_freeze_step=2, var_update_scaler=1, local_step_scaler=2,
+                                              var_freeze_step=2, var_update_scaler=1, local_step_policy="steps", local_step_scaler=2,
                                               local_step_clipper=2)
         gen = torch.Generator().manual_seed(rank)
         x, y = torch.randn(64, 32, generator=gen), torch.randn(64, 8, generator=gen)
@@ -335,7 +336,7 @@ def test_a_rank_that_skips_an_iteration_leaves_the_others_a_named_timeout():
         return opt.schedule_state()["step"]
 
     start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match=r"the allgather 'zoadam\.[0-9a-f]+\.grads_changed\.8' did "
+    with pytest.raises(CollectiveTimeoutError, match=r"the allgather 'zoadam\.[0-9a-f]+\.step_flags\.8' did "
                                                      r"not complete within 5 s"):
         run_threads(2, body, timeout_s=5)
     assert time.monotonic() - start < 15
@@ -354,7 +355,8 @@ def test_a_rank_that_skips_an_iteration_is_named_at_the_next_exchange_with_set_i
         model = common.mlp()
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
                                               named_parameters=model.named_parameters(), var_freeze_step=6,
-                                              var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+                                              var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+                                              local_step_policy="steps")
         with pytest.raises(StepMismatchError) as info:
             for it in range(1, 20):
                 if it == skip_at and rank == 1:

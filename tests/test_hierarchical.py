@@ -195,7 +195,8 @@ import hvd_zoadam  # noqa: E402
 from hvd_zoadam import Schedule  # noqa: E402
 from hvd_zoadam.oracle.simulate import simulate_zoadam  # noqa: E402
 
-KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4,
+             local_step_policy="steps")
 
 
 def _train(p, local, steps=24, hierarchical=True, **kw):

@@ -14,7 +14,8 @@ from conftest import run_threads
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
 
-KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4,
+             local_step_policy="steps")
 STEPS, SAVE_AT = 18, 9
 
 

@@ -13,7 +13,8 @@ from conftest import run_threads
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
 
-KNOBS = dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=3, local_step_clipper=2)
+KNOBS = dict(var_freeze_step=4, var_update_scaler=1, local_step_scaler=3, local_step_clipper=2,
+             local_step_policy="steps")
 
 
 class TinyLM(torch.nn.Module):

@@ -22,7 +22,8 @@ from conftest import run_threads
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
 
-KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4,
+             local_step_policy="steps")
 
 
 def make(model, transport, cls=torch.optim.Adam, lr=common.LR, wd=0.0, **kw):
@@ -260,7 +261,7 @@ def test_param_groups_with_different_lr_move_in_proportion():
         w1, b1, w2, b2 = (torch.nn.Parameter(torch.zeros(*s)) for s in [(4, 3), (4,), (2, 4), (2,)])
         inner = torch.optim.Adam([{"params": [w1, b1], "lr": 1e-3}, {"params": [w2, b2], "lr": 1e-4}])
         opt = hvd_zoadam.DistributedOptimizer(inner, transport=transport, var_freeze_step=3, var_update_scaler=2,
-                                              local_step_scaler=2, local_step_clipper=2)
+                                              local_step_policy="steps", local_step_scaler=2, local_step_clipper=2)
         names = sorted(opt._names.values())
         sizes = [b.exchange.worker_error.numel() for b in opt._buckets]
         start = [t.detach().clone() for t in (w1, b1, w2, b2)]
@@ -294,7 +295,7 @@ def test_zero_element_and_tiny_parameters_work_with_three_ranks():
             lin = torch.nn.Linear(3, 3)
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(ps + list(lin.parameters()), lr=1e-2),
                                               transport=transport, var_freeze_step=2, var_update_scaler=1,
-                                              local_step_scaler=1, local_step_clipper=2)
+                                              local_step_policy="steps", local_step_scaler=1, local_step_clipper=2)
         for t in range(6):
             opt.zero_grad()
             gen = torch.Generator().manual_seed(t * 10 + rank)
@@ -452,7 +453,7 @@ def test_memory_report_matches_the_documented_formula_and_does_not_grow():
         model.b = torch.nn.Parameter(torch.zeros(1000))
         model.v = torch.nn.Parameter(torch.zeros(3))
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), transport=transport,
-                                              var_freeze_step=3, local_step_clipper=4)
+                                              var_freeze_step=3, local_step_clipper=4, scale_block_numel=2048)
         seen = []
         for t in range(1, 21):
             opt.zero_grad()
@@ -699,7 +700,9 @@ def test_a_load_between_backward_and_step_drains_the_same_collectives_on_every_r
     stale and is drained; with a missing gradient on rank 1 its hooks started fewer exchanges,
     and the rest are started before the drain: collectives paired by order still pair."""
     def body(rank, transport):
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        with common._INIT_LOCK:  # the same model on every rank
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         opt = make(model, transport, bucket_cap_mb=16 * 4 / 2 ** 20)
         saved = None
         for t in range(1, 8):

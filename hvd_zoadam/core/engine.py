@@ -198,7 +198,8 @@ class Engine:
                                      "after the optimizer was built; its error buffers and chunks no longer fit. "
                                      "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
         names = {p: n for b in self.buckets for p, n in zip(b.params, b.names)}
-        for index, group in enumerate(self.param_groups):
+        in_groups = {p for g in self.param_groups for p in g["params"]}
+        for index, group in enumerate(self.param_groups if all(p in in_groups for p in names) else ()):
             for j, p in enumerate(group["params"]):
                 if p.requires_grad and p.numel() and p not in names:
                     raise ValueError(f"param_groups[{index}]['params'][{j}] ({self.names.get(p, 'unnamed')!r}) "
@@ -211,32 +212,6 @@ class Engine:
                          "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
                          "for new parameters")
 
-    def hold_frozen(self, variance: bool) -> list:
-        """Copies of what a step must not change for the laid-out parameters frozen since
-        (``requires_grad`` now False), as torch's Adam leaves a parameter without a gradient:
-        x (and its fp32 master), ``exp_avg``, the anchor, and on a VARIANCE step (``variance``)
-        ``exp_avg_sq``. Their gradients count as 0 in the exchange, as Horovod's do. Empty when
-        nothing is frozen (then this costs one pass over the parameters' flags)."""
-        held = []
-        for b in self.buckets:
-            for j, p in enumerate(b.params):
-                if p.requires_grad:
-                    continue
-                keys = ("exp_avg", "anchor", "exp_avg_sq") if variance else ("exp_avg", "anchor")
-                saved = {key: b.views[key][j].clone() for key in keys}
-                held.append((b, j, p.detach().clone(), saved))
-        return held
-
-    def restore_frozen(self, held: list) -> None:
-        """Put back what :meth:`hold_frozen` copied."""
-        for b, j, x, saved in held:
-            p = b.params[j]
-            p.detach().copy_(x)
-            if b.master is not None:
-                b.master.split([q.numel() for q in b.params])[j].copy_(x.reshape(-1))
-            for key, value in saved.items():
-                b.views[key][j].copy_(value)
-
     def layout_items(self) -> dict:
         """The bucket layout for the cross-rank check: names, shapes, dtypes per bucket."""
         items = {}
@@ -246,13 +221,6 @@ class Engine:
         items["buckets"] = len(self.buckets)
         items["hierarchical"] = self.topology()
         return items
-
-    def params_digest(self) -> str:
-        """A digest of every laid-out parameter's bits (:func:`bits_checksum` of each), equal on
-        ranks that hold the same values whatever their devices' thread counts. One host
-        synchronisation; for the first step's check across ranks."""
-        sums = torch.stack([bits_checksum(p.detach()) for b in self.buckets for p in b.params])
-        return short_digest(sums.cpu().tolist())
 
     def topology(self):
         """``[nodes, ranks per node]`` of the two-level exchange, or None for the flat one."""
@@ -439,6 +407,42 @@ class DerivedFromExpAvgSq:
         """Derive everything again at its next use."""
         self._masks.clear()
         self._denoms.clear()
+
+
+def hold_frozen(buckets: list, variance: bool) -> list:
+    """Copies of what a step must not change for the parameters of ``buckets`` frozen since
+    (``requires_grad`` now False), as torch's Adam leaves a parameter without a gradient:
+    x (and its fp32 master), ``exp_avg``, the anchor, and on a VARIANCE step (``variance``)
+    ``exp_avg_sq``. Their gradients count as 0 in the exchange, as Horovod's do. Empty when
+    nothing is frozen (then this costs one pass over the parameters' flags)."""
+    held = []
+    for b in buckets:
+        for j, p in enumerate(b.params):
+            if p.requires_grad:
+                continue
+            keys = ("exp_avg", "anchor", "exp_avg_sq") if variance else ("exp_avg", "anchor")
+            saved = {key: b.views[key][j].clone() for key in keys}
+            held.append((b, j, p.detach().clone(), saved))
+    return held
+
+
+def restore_frozen(held: list) -> None:
+    """Put back what :func:`hold_frozen` copied."""
+    for b, j, x, saved in held:
+        p = b.params[j]
+        p.detach().copy_(x)
+        if b.master is not None:
+            b.master.split([q.numel() for q in b.params])[j].copy_(x.reshape(-1))
+        for key, value in saved.items():
+            b.views[key][j].copy_(value)
+
+
+def params_digest(buckets: list) -> str:
+    """A digest of the bits of every parameter of ``buckets`` (:func:`bits_checksum` of each),
+    equal on ranks that hold the same values whatever their devices' thread counts. One host
+    synchronisation; for the first step's check across ranks."""
+    sums = torch.stack([bits_checksum(p.detach()) for b in buckets for p in b.params])
+    return short_digest(sums.cpu().tolist())
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -19,11 +19,9 @@ import logging
 import warnings
 
 from hvd_zoadam import native
-from collections import Counter
-
-from hvd_zoadam.comm.protocol import (GRADS_CHANGED, NO_GRADIENT, Average, StepMismatchError, check_layout,
-                                      exchange_buckets, step_flags)
+from hvd_zoadam.comm.protocol import Average, exchange_buckets
 from hvd_zoadam.core.algorithms import StepContext
+from hvd_zoadam.core.engine import hold_frozen, restore_frozen
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
@@ -68,27 +66,6 @@ class StepDriver:
         return (self.overlap and self.transport.supports_async and self.world_size > 1 and self._checked_layout
                 and not self._amp_seen and not self._counters.get(ADOPT_KEY)
                 and self._pending is None and getattr(self, "_ready", False))
-
-    def _check_layout(self, no_gradient: bool = False) -> None:
-        """algorithm.md §5: settings and parameter layout compared across ranks, and that every
-        rank starts from the same parameters and ran backward() (raises on every rank; the next
-        step checks again)."""
-        items = self.algorithm.settings()
-        items.update(bias_correction=self.bias_correction, bucket_cap_numel=self.bucket_cap_numel,
-                     scale_block_numel=self.scale_block_numel, auto_exp_avg_mask=self.auto_exp_avg_mask,
-                     overlap=self.overlap, backward_passes_per_step=self.backward_passes_per_step,
-                     transport=self.transport.name,
-                     compression=getattr(self.compression, "__name__", repr(self.compression)))
-        items.update(self._engine.layout_items())
-        if self.world_size > 1:
-            items.update(parameters=self._engine.params_digest(), backward=not no_gradient)
-        advice = {"backward": _no_backward_message("some rank"), "parameters": _PARAMETERS_DIFFER}
-        try:
-            check_layout(self.transport, items, advice=advice)
-        except ValueError:
-            self._reset_passes()  # raised on every rank, nothing exchanged: the step may be taken again
-            raise
-        self._checked_layout = True
 
     def _launch(self, window, bi: int) -> None:
         """Start bucket ``bi``'s exchange for the coming step: from the hooks, or from ``synchronize()``
@@ -158,8 +135,7 @@ class StepDriver:
         if not self._checked_layout:
             self._check_layout(no_gradient)
         elif no_gradient and not armed:  # no flag to carry it this step: this rank raises alone
-            self._reset_passes()
-            raise RuntimeError("hvd_zoadam: " + _no_backward_message(f"rank {self.transport.rank}"))
+            self._refuse_without_backward()
         # the schedule moved under us (a load between backward and step)
         self._drain(self._overlap.stale(step, kind, len(self._buckets), self._launch))
         if armed:
@@ -196,54 +172,6 @@ class StepDriver:
             b.exchange.zero_errors()
         for group in self.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
-
-    def _grads_changed_here(self) -> bool:
-        """Whether a gradient the hooks' exchange read was replaced or modified since (or, for a
-        SYNC step, a learning rate or weight decay)."""
-        window = self._overlap.window
-        if window is not None and window.lrs is not None and window.lrs != self._lrs():
-            return True
-        for bi, seen in (window.seen if window is not None else {}).items():
-            if any(p.grad is not grad or (grad is not None and grad._version != version)
-                   for p, (grad, version) in zip(self._buckets[bi].params, seen)):
-                return True
-        return False
-
-    def _no_gradient_here(self) -> bool:
-        """Whether this rank reached the step with no gradient at all: every laid-out parameter
-        that requires one has ``grad`` None (no ``backward()`` since the last ``zero_grad()``)."""
-        trainable = [p for b in self._buckets for p in b.params if p.requires_grad]
-        return bool(trainable) and all(p.grad is None for p in trainable)
-
-    def _agree_on_step(self, step: int, no_gradient: bool) -> None:
-        """The ranks' flags for a step where overlap is armed, in one allgather of 4 bytes a rank
-        (:func:`~hvd_zoadam.comm.protocol.step_flags`), after every rank has started every
-        bucket's early exchange (:meth:`.Overlap.complete`), so the collectives pair up.
-
-        A rank without any gradient (:meth:`_no_gradient_here`): every rank raises RuntimeError
-        naming it, after the early exchanges are completed. Some rank's gradients changed after
-        the hooks started their exchange (e.g. clipped without synchronize()): the early
-        exchanges are completed and their results dropped, and the step exchanges the
-        gradients as they are now, like overlap=False (a COMPRESSED step's early worker side
-        only staged its error: ``worker_error`` is untouched until round 2)."""
-        mine = (GRADS_CHANGED if self._grads_changed_here() else 0) | (NO_GRADIENT if no_gradient else 0)
-        flags = step_flags(self.transport, self._collectives, step, mine)
-        if not any(flags):
-            return
-        self._drain(self._overlap.window)
-        self._overlap.window = None
-        missing = [rank for rank, flag in enumerate(flags) if flag & NO_GRADIENT]
-        if missing:
-            self._reset_passes()
-            raise RuntimeError("hvd_zoadam: " + _no_backward_message(
-                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
-        if not self._warned_changed:
-            self._warned_changed = True
-            warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
-                          "(overlap with the backward pass, as in hvd.DistributedOptimizer); the step exchanges "
-                          "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
-                          "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
-                          "or build the optimizer with overlap=False.")
 
     def _compress_grads(self, step: int, window) -> bool:
         """C(g) of every bucket into p.grad, shaped by the algorithm (see ZeroOneAdam.compressed_pre),
@@ -288,10 +216,10 @@ class StepDriver:
         self.transport.counter.kind = kind.value
         ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange,
                           started_early=frozenset(self._sync_started))
-        held = self._engine.hold_frozen(kind is StepKind.VARIANCE)
+        held = hold_frozen(self._buckets, kind is StepKind.VARIANCE)
         k = self.algorithm.apply(ctx, kind, skip)
         if held:
-            self._engine.restore_frozen(held)
+            restore_frozen(held)
         skip = skip or ctx.skipped
         self._stats.record(kind, skip, self.transport.counter, self.world_size, sum(b.numel for b in self._buckets))
         counters.update(step=step, exp_avg_sq_steps=k)
@@ -337,77 +265,3 @@ class StepDriver:
         started, self._sync_started = self._sync_started, {}
         for handle in started.values():
             self.transport.wait(handle)
-
-    def _announced(self, step: int) -> int:
-        """What the coming step's 1-bit exchanges announce in round 1 (int32): the iteration of
-        :meth:`set_iteration` when the script gives one, else the optimizer step."""
-        self._announcing = (step, self._iteration)
-        return step if self._iteration is None else self._iteration
-
-    def _naming_ranks(self, exchange, *args, **kwargs):
-        """``exchange(*args, **kwargs)``; a :class:`StepMismatchError` is raised again naming
-        the ranks that announced another value than most ranks. In the flat exchange every rank
-        reads every server's round-2 flags, so every rank gets here together: one allgather of
-        what each announced. In the two-level exchange a shard's check may reach one node only,
-        so no collective runs there: the message gives this rank's own step and iteration."""
-        try:
-            return exchange(*args, **kwargs)
-        except StepMismatchError as exc:
-            if self._engine.topology() is not None:
-                step, iteration = self._announcing
-                raise StepMismatchError(f"{exc} (rank {self.transport.rank}: optimizer step {step}, iteration "
-                                        f"{iteration})") from None
-            seen = self.transport.allgather_object(self._announcing, f"zoadam.{self._collectives.prefix}.mismatch")
-            raise StepMismatchError(_mismatch_message(str(exc), seen)) from None
-
-
-_PARAMETERS_DIFFER = (
-    "the ranks start from different parameters (a checksum of their bits differs). Make every rank's model the "
-    "same before the first step: hvd.broadcast_parameters(model.state_dict(), root_rank=0) under Horovod, "
-    "hvd_zoadam.distributed.broadcast_parameters(model.state_dict(), root_rank=0) under torchrun (what "
-    "DistributedDataParallel did at construction), hvd_zoadam.mpi.broadcast_parameters under mpirun; or load "
-    "the same checkpoint on every rank.")
-
-
-def _no_backward_message(who: str) -> str:
-    return (f"{who} called step() with no gradient at all (every parameter's grad is None: no backward() since "
-            "the last zero_grad()). Every rank must run backward() before each step(), or the others would "
-            "average its gradient as 0; to leave out a bad batch, multiply its loss by 0 on that rank.")
-
-
-def _odd_ones(values: list) -> tuple:
-    """``(the value most ranks hold, "rank r at V, ..." for the others)``; on a tie for the most
-    common value, ``(None, every rank's value)``."""
-    counts = Counter(values).most_common(2)
-    usual = counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else None
-    return usual, ", ".join(f"rank {r} at {v}" for r, v in enumerate(values) if v != usual)
-
-
-def _mismatch_message(base: str, seen: list) -> str:
-    """The message of a step mismatch, from every rank's ``(optimizer step, iteration or None)``
-    as its step began (``base``: the exchange's own message). Names the ranks that differ from
-    most ranks (all of them on a tie): in the iteration when the steps agree (a rank skipped or
-    repeated a whole iteration), else in the step."""
-    steps = [t for t, _ in seen]
-    iterations = [i for _, i in seen]
-    restart = "; restart from the last checkpoint"
-    if len(set(steps)) == 1 and len(set(iterations)) == 1:  # what was announced changed during the step
-        return (f"{base} (every rank began optimizer step {steps[0]} at iteration {iterations[0]}: call "
-                "set_iteration() before backward(), on every rank)")
-    if len(set(steps)) == 1 and None in iterations:
-        given = [r for r, i in enumerate(iterations) if i is not None]
-        return (f"hvd_zoadam: set_iteration() was called on rank(s) {given} only, at optimizer step {steps[0]}: "
-                "call it on every rank before each backward(), or on none")
-    if len(set(steps)) == 1:
-        usual, odd = _odd_ones(iterations)
-        where = f", where the other ranks are at iteration {usual}" if usual is not None else ""
-        return (f"hvd_zoadam: a rank skipped or repeated a whole iteration: {odd.replace(' at ', ' at iteration ')}"
-                f"{where}, all at optimizer step {steps[0]}. Every rank must run backward() and step() at every "
-                f"iteration (to leave out a bad batch, zero its loss on that rank){restart}")
-    usual, odd = _odd_ones(steps)
-    odd = odd.replace(" at ", " at step ")
-    others = f", the other ranks at step {usual}" if usual is not None else ""
-    if None in iterations:
-        return f"{base} ({odd}{others})"
-    return (f"hvd_zoadam: ranks are at different optimizer steps: {odd}{others}. Every rank must call step() "
-            f"(or skip_synchronize()/synchronize() alike) at every iteration{restart}")

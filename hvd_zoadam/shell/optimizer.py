@@ -3,6 +3,7 @@
 * :class:`~hvd_zoadam.shell.horovod_contract.HorovodContract`: Horovod's contract (hooks,
   ``synchronize``, ``skip_synchronize``, ``zero_grad``, ``step``, elastic);
 * :class:`~hvd_zoadam.shell.driver.StepDriver`: the step driver;
+* :class:`~hvd_zoadam.shell.agreement.StepAgreement`: what the ranks agree on about a step;
 * :class:`~hvd_zoadam.shell.torch_optim.ParamGroupsMixin` and
   :class:`~hvd_zoadam.shell.torch_optim.StateDictMixin`: torch's optimizer contract;
 * :class:`~hvd_zoadam.shell.stats.ReportsMixin`: ``comm_stats``, ``memory_bytes``,
@@ -28,6 +29,7 @@ from hvd_zoadam.core.algorithms.onebit import OnebitAdam as _OnebitAdam
 from hvd_zoadam.core.algorithms.zeroone import ZeroOneAdam
 from hvd_zoadam.core.engine import Engine
 from hvd_zoadam.core.schedule import AutoFreeze, Schedule
+from hvd_zoadam.shell.agreement import StepAgreement
 from hvd_zoadam.shell.driver import StepDriver
 from hvd_zoadam.shell.horovod_contract import HorovodContract
 from hvd_zoadam.shell.options import (AUTO, STATE_KEY, check_arguments, check_group, check_named_parameters,
@@ -37,8 +39,8 @@ from hvd_zoadam.shell.stats import CommStats, ReportsMixin, StepLog
 from hvd_zoadam.shell.torch_optim import ParamGroupsMixin, StateDictMixin
 
 
-class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, ReportsMixin, StateDictMixin,
-                               torch.optim.Optimizer):
+class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, ParamGroupsMixin, ReportsMixin,
+                               StateDictMixin, torch.optim.Optimizer):
     """The optimizer a user holds: 0/1 Adam or 1-bit Adam over a transport. Build it with
     :func:`hvd_zoadam.DistributedOptimizer` or :func:`hvd_zoadam.OnebitAdam`; what they return is
     a :class:`ZeroOneAdamOptimizer` or an :class:`OnebitAdamOptimizer`, both of this class.
@@ -121,6 +123,20 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
         self._average = self._new_average()
         self._hook_handles = []
         weakref.finalize(self, _remove_hooks, self._hook_handles)  # a dropped optimizer leaves no hook behind
+        self._init_step_state()
+        self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
+        for index, group in enumerate(self.param_groups):
+            check_group(group, index)
+            self._build_group(index)
+        self._overlap = Overlap(len(self._buckets))
+        if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
+                                         if p.requires_grad):
+            raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
+        native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
+        self._ready = True
+
+    def _init_step_state(self) -> None:
+        """What the step driver and Horovod's contract keep between steps, as a fresh optimizer has it."""
         self._passes = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -134,16 +150,6 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, ParamGroupsMixin, Re
         self._warned_unsynchronized = False
         self._sync_started = {}       # SYNC: id(bucket) -> round 1 the hooks started, for step()
         self._stats = CommStats()
-        self.param_groups[0].setdefault(STATE_KEY, {"step": 0, "exp_avg_sq_steps": 0, "freeze_lr": None})
-        for index, group in enumerate(self.param_groups):
-            check_group(group, index)
-            self._build_group(index)
-        self._overlap = Overlap(len(self._buckets))
-        if not self._buckets and not any(p.numel() == 0 for g in self.param_groups for p in g["params"]
-                                         if p.requires_grad):
-            raise ValueError("nothing to optimize: no parameter of the optimizer has requires_grad=True")
-        native.warm_up(self._engine.device)  # the kernels' JIT here, not as a stall of the first exchanging step
-        self._ready = True
 
     @property
     def schedule(self) -> Schedule:
@@ -229,6 +235,22 @@ def optimizer_class(algorithm: str, base: type) -> type:
     return cls
 
 
+def _check_onebit(knobs: dict, precondition_compression) -> int:
+    """ValueError for a 0/1 Adam knob passed to 1-bit Adam, or for 1-bit Adam without its
+    ``freeze_step``. Returns 1-bit Adam's κ: 1 (every warm-up step updates v)."""
+    defaults = dict(var_update_scaler=AUTO, local_step_scaler=32768, local_step_clipper=8, local_step_policy="lr",
+                    var_update_weighting="interval", precondition_compression=True)
+    given = {**knobs, "precondition_compression": precondition_compression}
+    for name, default in defaults.items():
+        if given[name] != default:
+            raise ValueError(f"{name}={given[name]!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
+                             "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
+    if knobs["var_freeze_step"] == AUTO:
+        raise ValueError("algorithm='onebit' (1-bit Adam) needs var_freeze_step, its freeze_step, as a number of "
+                         "steps: the paper advises 15-25 % of training (hvd_zoadam.OnebitAdam(..., freeze_step=T))")
+    return 1
+
+
 def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end: str, compression,
                     backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense, var_freeze_step,
                     var_update_scaler, local_step_scaler, local_step_clipper, local_step_policy, var_update_weighting,
@@ -256,24 +278,12 @@ def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end
         raise ValueError(f"hierarchical must be False, True or 'auto', got {hierarchical!r}")
     if algorithm not in ("zoadam", "onebit"):
         raise ValueError(f"algorithm must be 'zoadam' (0/1 Adam) or 'onebit' (1-bit Adam), got {algorithm!r}")
-    if algorithm == "onebit":
-        zoadam_only = dict(var_update_scaler=(var_update_scaler, AUTO), local_step_scaler=(local_step_scaler, 32768),
-                           local_step_clipper=(local_step_clipper, 8), local_step_policy=(local_step_policy, "lr"),
-                           precondition_compression=(precondition_compression, True),
-                           var_update_weighting=(var_update_weighting, "interval"))
-        for name, (value, default) in zoadam_only.items():
-            if value != default:
-                raise ValueError(f"{name}={value!r} is a 0/1 Adam knob; algorithm='onebit' (1-bit Adam) has only "
-                                 "var_freeze_step (its freeze_step): drop the argument or use algorithm='zoadam'")
-        if var_freeze_step == AUTO:
-            raise ValueError("algorithm='onebit' (1-bit Adam) needs var_freeze_step, its freeze_step, as a number of "
-                             "steps: the paper advises 15-25 % of training (hvd_zoadam.OnebitAdam(..., freeze_step=T))")
-        var_update_scaler = 1  # every warm-up step updates v
-
     knobs = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                  local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                  local_step_policy=local_step_policy, var_update_weighting=var_update_weighting,
                  scale_block_numel=scale_block_numel)
+    if algorithm == "onebit":
+        knobs["var_update_scaler"] = _check_onebit(knobs, precondition_compression)
     beta2 = optimizer.param_groups[0]["betas"][1]
     resolve_schedule(1, beta2, **knobs)  # the schedule's checks, before the transport is asked anything
     # Every argument is checked before the transport is asked anything (initialised? in the group?).

@@ -35,7 +35,8 @@ SIM = bool(config.ENABLE_CUDASIM)
 pytestmark = pytest.mark.skipif(not (SIM or (cuda.is_available() and torch.cuda.is_available())),
                                 reason="needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU")
 DEV = "cpu" if SIM else "cuda"
-KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4,
+             local_step_policy="steps")
 
 
 @pytest.fixture(autouse=True)

@@ -60,7 +60,8 @@ def simulate_mlp(p: int, steps: int, knobs: dict, cls=torch.optim.Adam, wd: floa
                            precondition=not paper_raw, auto_mask=not paper_raw)
 
 
-TRAIN = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+TRAIN = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4,
+             local_step_policy="steps")
 TRAIN_STEPS = 24
 LR = 1e-2
 

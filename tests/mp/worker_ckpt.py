@@ -18,7 +18,8 @@ import common  # noqa: E402
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import checkpoint  # noqa: E402
 
-KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+KNOBS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+             local_step_policy="steps")
 
 
 def build():

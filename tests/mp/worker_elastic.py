@@ -45,7 +45,7 @@ def main():
     # The optimizer is built before the first sync and must run no collective here.
     opt = hvd_zoadam.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=1e-2), named_parameters=model.named_parameters(),
-        var_freeze_step=6, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+        var_freeze_step=6, var_update_scaler=2, local_step_policy="steps", local_step_scaler=4, local_step_clipper=4)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
     records, pooled = [], []
 
