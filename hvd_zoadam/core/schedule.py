@@ -198,13 +198,15 @@ class AutoFreeze:
     """``var_freeze_step="auto"`` (algorithm.md §4, "The freeze, decided during training"): T_f
     from the learning rate, which every rank reads alike, so that no rank asks another.
 
-    The warm-up is over at step t = 2W, W the last step whose learning rate rose above the step
-    before's (W = 1 when it never rose), once the rate has not risen again for W steps (a
-    warm-up that rises in plateaus, as one stepped per epoch, is not taken as over on its first
-    plateau). Then T_f = max(t, 15κ, ⌈(1/4)/(1 − β2)⌉): twice the warm-up; no earlier than the
-    end of T_v's fourth interval, so that v has had 4κ updates; and no earlier than a quarter
-    of v's horizon 1/(1 − β2) (250 steps at β2 = 0.999, 13 at 0.98). Once decided, T_f never
-    changes.
+    T_f is the first step t at which t >= 2W and t >= E: W the last step so far whose learning
+    rate rose above the step before's (0 while it has not risen), so that the warm-up is over
+    once the rate has not risen for as long as it rose (a warm-up that rises in plateaus, as one
+    stepped per epoch, is not taken as over on a plateau); and E = max(15κ, ⌈(1/4)/(1 − β2)⌉),
+    no earlier than the end of T_v's fourth interval, so that v has had 4κ updates, nor than a
+    quarter of v's horizon 1/(1 − β2) (250 steps at β2 = 0.999, 13 at 0.98). So twice the
+    warm-up, E with a constant or only decaying rate. Once decided, T_f never changes. A rate
+    that stays flat for E steps and only then rises (a warm-up stepped per epoch of more than E
+    steps) freezes at E, before its rise.
 
     Args:
         var_update_scaler: κ of the schedule. beta2: β2 of the first param group.
@@ -221,17 +223,16 @@ class AutoFreeze:
         """Take step ``step``'s learning rate into ``state`` (a dict the caller keeps, the same on
         every rank: ``lr_rise_step``, ``last_lr``, ``var_freeze_step``; empty at first), and
         return T_f once decided (also ``state["var_freeze_step"]``), else None. Pure but for
-        ``state``: the same calls give the same answers on every rank. T_f >= ``step``, so the
-        kind of ``step`` itself does not depend on whether it was observed."""
+        ``state``: the same calls give the same answers on every rank. T_f is ``step`` itself
+        when decided, so the kind of ``step`` does not depend on whether it was observed."""
         if state.get("var_freeze_step") is not None:
             return state["var_freeze_step"]
         last = state.get("last_lr")
         if last is not None and lr > last:
             state["lr_rise_step"] = step
         state["last_lr"] = float(lr)
-        warmup = max(1, state.get("lr_rise_step") or 0)
-        if step >= 2 * warmup:
-            state["var_freeze_step"] = max(step, self.earliest())
+        if step >= 2 * (state.get("lr_rise_step") or 0) and step >= self.earliest():
+            state["var_freeze_step"] = step
         return state.get("var_freeze_step")
 
     def schedule(self, base: Schedule, state: dict) -> Schedule:

@@ -1,0 +1,184 @@
+"""The defaults that need no knob: the freeze decided during training from the learning rate
+(``var_freeze_step="auto"``, :class:`~hvd_zoadam.core.schedule.AutoFreeze`), κ and the scale block
+from the world size. The decision is the same on every rank, survives a resume at another world
+size, counts optimizer steps under ``backward_passes_per_step``, yields to a knob that is set, and
+when it cannot decide (a learning rate still rising) waits and says so once."""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hvd_zoadam
+from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.core.schedule import NEVER, AutoFreeze, Schedule, StepKind
+from hvd_zoadam.oracle.simulate import simulate_zoadam
+from hvd_zoadam.shell.options import auto_scale_block_numel, auto_var_update_scaler, resolve_schedule
+from conftest import run_threads
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+import common  # noqa: E402
+
+
+def warmup_cosine(warmup: int, total: int, peak: float = common.LR):
+    def lr(t):  # t = 1, 2, ...
+        if t <= warmup:
+            return peak * t / warmup
+        return peak * 0.5 * (1 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+    return lr
+
+
+def decide(rule: AutoFreeze, lr_fn, steps: int):
+    state = {}
+    for t in range(1, steps + 1):
+        if rule.observe(state, t, lr_fn(t)) is not None:
+            return state["var_freeze_step"], t
+    return None, None
+
+
+@pytest.mark.parametrize("warmup, beta2, kappa, want", [
+    (60, 0.98, 8, 120),     # twice the warm-up
+    (10, 0.98, 8, 120),     # not before v's 4 kappa updates (15 kappa steps)
+    (200, 0.98, 8, 400),    # a long warm-up: twice it
+    (60, 0.999, 8, 250),    # not before a quarter of v's horizon, 1 / (1 - beta2)
+    (60, 0.98, 14, 210),    # 15 kappa at kappa = 14
+])
+def test_the_freeze_is_twice_the_warmup_but_not_before_vs_updates_or_a_quarter_of_its_horizon(warmup, beta2, kappa,
+                                                                                               want):
+    assert decide(AutoFreeze(kappa, beta2), warmup_cosine(warmup, 4 * want), 4 * want) == (want, want)
+
+
+def test_a_constant_or_decaying_rate_freezes_at_the_earliest_step():
+    rule = AutoFreeze(8, 0.98)
+    assert decide(rule, lambda t: 1e-3, 500) == (120, 120)
+    assert decide(rule, lambda t: 1e-3 * 0.99 ** t, 500) == (120, 120)
+
+
+def test_a_warmup_that_rises_in_plateaus_is_not_taken_as_over_on_its_first_plateau():
+    """A warm-up stepped per epoch of 100 steps over 5 epochs: the rate rises at 101, 201, ... 401,
+    stays flat 100 steps between rises; the warm-up ends at 401 and v freezes at 802."""
+    lr = lambda t: 1e-3 * min(5, 1 + (t - 1) // 100) / 5  # noqa: E731
+    assert decide(AutoFreeze(8, 0.98), lr, 2000) == (802, 802)
+
+
+def test_a_rate_still_rising_never_freezes():
+    assert decide(AutoFreeze(8, 0.98), lambda t: 1e-6 * t, 3000) == (None, None)
+
+
+def test_auto_kappa_and_scale_block_follow_the_world_size():
+    assert [auto_var_update_scaler(p) for p in (1, 8, 63, 64, 128)] == [8, 8, 8, 14, 14]
+    assert [auto_scale_block_numel(p) for p in (1, 31, 32, 128)] == [256, 256, 64, 64]
+    schedule, auto, scale = resolve_schedule(128, 0.999, var_freeze_step="auto", var_update_scaler="auto",
+                                             local_step_scaler=32768, local_step_clipper=8, local_step_policy="lr",
+                                             var_update_weighting="interval", scale_block_numel="auto")
+    assert (schedule.var_freeze_step, schedule.var_update_scaler, auto, scale) == (NEVER, 14, AutoFreeze(14, 0.999), 64)
+
+
+def _train(rank, transport, steps, lr_fn, passes=1, state=None, **knobs):
+    """The thread ranks' MLP with AdamW under a LambdaLR of ``lr_fn``; returns (params, opt)."""
+    model = common.mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=common.LR, betas=(0.9, 0.98))
+    opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(), transport=transport,
+                                          backward_passes_per_step=passes, **knobs)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda i: lr_fn(i + 1) / common.LR)
+    first = 1
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(copy.deepcopy(state["opt"]))
+        sched.load_state_dict(state["sched"])
+        first = state["step"] + 1
+    for t in range(first, steps + 1):
+        opt.zero_grad()
+        for i in range(passes):
+            (common.loss_fn(model, 1000 * i + t, rank) / passes).backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def test_ranks_decide_the_same_freeze_and_train_as_the_oracle_bitwise():
+    """No knob set: two thread ranks with a warm-up of 10 decide T_f = 120 (v's 32 updates), and
+    the parameters equal the oracle's (which decides it the same way) bit for bit."""
+    lr_fn = warmup_cosine(10, 140)
+    got = run_threads(2, lambda r, t: _train(r, t, 140, lr_fn))
+    states = [opt.schedule_state() for _, opt, _ in got]
+    assert states[0]["var_freeze_step"] == states[1]["var_freeze_step"] == 120
+    assert got[0][1].comm_stats()["sync"]["steps"] > 0 and got[0][1].comm_stats()["local"]["steps"] > 0
+    schedule, auto, scale = resolve_schedule(2, 0.98, **{k: v for k, v in hvd_zoadam.distributed.KNOBS.items()
+                                                         if k in ("var_freeze_step", "var_update_scaler",
+                                                                  "local_step_scaler", "local_step_clipper",
+                                                                  "local_step_policy", "var_update_weighting",
+                                                                  "scale_block_numel")})
+    params0 = [q.detach().clone() for q in common.mlp().parameters()]
+    want, kinds = simulate_zoadam(params0, common.grads_at, world_size=2, steps=140, schedule=schedule, lr_fn=lr_fn,
+                                  betas=(0.9, 0.98), weight_decay=0.01, decoupled=True, scale_block_numel=scale,
+                                  auto_freeze=auto)
+    assert kinds[119] is not StepKind.LOCAL and kinds[120] in (StepKind.LOCAL, StepKind.SYNC)
+    for r in range(2):
+        for a, b in zip(got[r][0].parameters(), want[r]):
+            assert torch.equal(a.detach(), b), (r, (a.detach() - b).abs().max())
+
+
+@pytest.mark.parametrize("at", [15, 130])  # before the decision (step 120) and after it
+def test_a_resume_at_another_world_size_keeps_the_decision(at):
+    lr_fn = warmup_cosine(10, 160)
+    whole = run_threads(2, lambda r, t: _train(r, t, 150, lr_fn))[0][1].schedule_state()
+    model, opt, sched = run_threads(2, lambda r, t: _train(r, t, at, lr_fn))[0]
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": at}
+    for p in (1, 3):
+        resumed = run_threads(p, lambda r, t: _train(r, t, 150, lr_fn, state=saved))
+        assert {opt.schedule_state()["var_freeze_step"] for _, opt, _ in resumed} == {whole["var_freeze_step"]}
+
+
+def test_backward_passes_per_step_counts_optimizer_steps():
+    lr_fn = warmup_cosine(10, 140)
+    got = run_threads(2, lambda r, t: _train(r, t, 125, lr_fn, passes=2))
+    assert [opt.schedule_state()["var_freeze_step"] for _, opt, _ in got] == [120, 120]
+
+
+def test_a_knob_that_is_set_wins():
+    lr_fn = warmup_cosine(10, 140)
+    got = run_threads(2, lambda r, t: _train(r, t, 60, lr_fn, var_freeze_step=30, var_update_scaler=2))
+    for _, opt, _ in got:
+        assert opt.schedule_state()["var_freeze_step"] == 30 and opt.schedule.var_update_scaler == 2
+        assert "lr_rise_step" not in opt.param_groups[0]["zoadam"]
+
+
+def test_a_rate_that_keeps_rising_waits_and_warns_once(caplog):
+    """Earliest T_f at kappa = 1, beta2 = 0.98: max(15, 13) = 15; at step 4 x 15 = 60 with the rate
+    still rising, rank 0 warns once, and v is not frozen."""
+    model = common.mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.98))
+    opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                          transport=ThreadGroup(1).transports()[0], var_update_scaler=1)
+    with caplog.at_level(logging.INFO, logger="hvd_zoadam"):
+        for t in range(1, 81):
+            for group in opt.param_groups:
+                group["lr"] = 1e-5 * t
+            opt.zero_grad()
+            common.loss_fn(model, t, 0).backward()
+            opt.step()
+    warned = [r for r in caplog.records if "has not frozen v by step 60" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert opt.schedule_state()["var_freeze_step"] is None and not opt.schedule_state()["frozen"]
+
+
+def test_the_decision_is_logged_once_on_rank_0(caplog):
+    lr_fn = warmup_cosine(10, 140)
+    with caplog.at_level(logging.INFO, logger="hvd_zoadam"):
+        run_threads(2, lambda r, t: _train(r, t, 130, lr_fn))
+    decided = [r.getMessage() for r in caplog.records if "v freezes after step" in r.getMessage()]
+    assert decided == ["hvd_zoadam: v freezes after step 120 (var_freeze_step='auto': twice the warm-up, the "
+                       "learning rate's last rise at step 10, and at least 120 steps)"]
+
+
+def test_schedule_with_a_decided_freeze_is_the_plain_schedule():
+    base = Schedule(NEVER, 8, 32768, 8, "lr")
+    rule = AutoFreeze(8, 0.98)
+    assert rule.schedule(base, {}) is base
+    assert rule.schedule(base, {"var_freeze_step": 120}) == Schedule(120, 8, 32768, 8, "lr")
