@@ -12,12 +12,13 @@ import torch
 import hvd_zoadam
 from conftest import run_threads
 from hvd_zoadam.core import kinds
-from test_masks import KNOBS, TinyLM  # tokens 10..19 never occur: v stays 0 on those rows
+from test_masks import KNOBS, TinyLM, common  # tokens 10..19 never occur: v stays 0 on those rows
 
 
 def make(transport, **kw):
-    torch.manual_seed(0)
-    model = TinyLM()
+    with common._INIT_LOCK:  # the thread ranks share torch's global RNG: the same model on each
+        torch.manual_seed(0)
+        model = TinyLM()
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(), transport=transport,
                                           **KNOBS, **kw)

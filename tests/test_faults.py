@@ -399,7 +399,7 @@ def test_set_iteration_on_some_ranks_only_is_named_and_bad_values_are_refused():
 
 
 def test_a_mismatch_names_the_odd_ranks_both_sides_of_a_tie_and_a_late_set_iteration():
-    from hvd_zoadam.shell.driver import _mismatch_message
+    from hvd_zoadam.shell.agreement import _mismatch_message
     assert "rank 2 at iteration 6, where the other ranks are at iteration 5, all at optimizer step 5" in \
         _mismatch_message("B", [(5, 5), (5, 5), (5, 6)])
     assert "rank 0 at iteration 6, rank 1 at iteration 5, all at optimizer step 5" in \

@@ -539,10 +539,14 @@ native.warm_up()
 kernels = {n: k for n, k in vars(cpu).items() if hasattr(k, "signatures") and hasattr(k, "py_func")}
 before = {n: list(k.signatures) for n, k in kernels.items()}
 
+import threading
+LOCK = threading.Lock()  # the thread ranks share torch's global RNG: the same model on each
+
 def body(rank, transport, explicit_mask):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 40), torch.nn.Linear(40, 300), torch.nn.LayerNorm(300),
-                                torch.nn.Linear(300, 5))
+    with LOCK:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 40), torch.nn.Linear(40, 300), torch.nn.LayerNorm(300),
+                                    torch.nn.Linear(300, 5))
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(groups, lr=1e-3), named_parameters=model.named_parameters(),

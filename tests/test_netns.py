@@ -20,8 +20,8 @@ from conftest import BIN, ROOT, run_cmd
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ip netns needs root")
 
 TINY = ["--steps", "6", "--warmup", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
-        "--batch-size", "4", "--eval-interval", "3", "--eval-batches", "1", "--local-step-scaler", "2",
-        "--local-step-clipper", "2"]
+        "--batch-size", "4", "--eval-interval", "3", "--eval-batches", "1", "--var-freeze-step", "4",
+        "--local-step-policy", "steps", "--local-step-scaler", "2", "--local-step-clipper", "2"]
 
 
 def netsim(hosts: int, rate: str, tag: str, script: str, timeout_s: int = 240):

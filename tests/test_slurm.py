@@ -24,7 +24,8 @@ import pytest
 from conftest import ROOT
 
 SHORT = ("--warmup 4 --n-layer 1 --n-embd 32 --n-head 2 --block-size 32 --batch-size 4 --eval-interval 6 "
-         "--eval-batches 2 --var-update-scaler 1 --local-step-scaler 2 --local-step-clipper 2")
+         "--eval-batches 2 --var-freeze-step 8 --var-update-scaler 1 --local-step-policy steps --local-step-scaler 2 "
+         "--local-step-clipper 2")
 SCRIPTS = {"mpirun": ["--ntasks-per-node=2", "--cpus-per-task=1"],
            "srun": ["--ntasks-per-node=2", "--cpus-per-task=1"],
            "torchrun": ["--ntasks-per-node=1", "--cpus-per-task=2"]}

@@ -624,7 +624,8 @@ def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK, adv
         hint = (" The transports differ: transport='auto' resolved differently on these ranks (mpi4py, "
                 "MPI_THREAD_MULTIPLE, the address of HOROVOD_GLOO_IFACE, the parameters' device); pass the same "
                 "explicit transport on every rank." if mine.get("transport") != theirs.get("transport") else "")
-        first = [text for key, text in (advice or {}).items() if mine.get(key) != theirs.get(key)]
+        first = [text for key, text in (advice or {}).items()
+                 if key in mine and key in theirs and mine[key] != theirs[key]]
         if first:
             raise ValueError(f"hvd_zoadam: {first[0]} Differences: " + "; ".join(diffs[:10]))
         raise ValueError("hvd_zoadam settings or parameter layout differ across ranks; every rank must build "
