@@ -47,7 +47,7 @@ def _mpi() -> dict:
 
 def _cuda_aware_mpi():
     """Open MPI's MPIX_Query_cuda_support(), when the library has it; None when unknown."""
-    from hvd_zoadam.comm.transport import query_mpix_cuda_support
+    from hvd_zoadam.comm.mpi import query_mpix_cuda_support
     return query_mpix_cuda_support()
 
 

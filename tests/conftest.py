@@ -15,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from hvd_zoadam.core.layout import padded_numel
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -105,7 +105,7 @@ def test_each_kernel_function_gets_its_own_exclusive_time():
 
 
 def test_install_times_a_real_exchange_and_uninstall_puts_everything_back():
-    from hvd_zoadam.comm.transport import ThreadGroup
+    from hvd_zoadam.comm.thread import ThreadGroup
     originals = {name: getattr(native, name) for name in native.__all__}
     phases = {name: Exchange.__dict__[name] for name in ("start", "serve", "gather_status")}
     launch = StepDriver.__dict__["_launch"]

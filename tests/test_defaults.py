@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hvd_zoadam
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 from hvd_zoadam.core.schedule import NEVER, AutoFreeze, Schedule, StepKind
 from hvd_zoadam.oracle.simulate import simulate_zoadam
 from hvd_zoadam.shell.options import auto_scale_block_numel, auto_var_update_scaler, resolve_schedule

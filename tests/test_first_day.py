@@ -16,7 +16,7 @@ import torch
 
 import hvd_zoadam
 from hvd_zoadam.comm.select import launcher_ranks_on_this_host
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 from conftest import load_ranks, run_job, run_threads
 
 

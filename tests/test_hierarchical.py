@@ -250,7 +250,7 @@ def test_hierarchical_option_is_checked():
 
 
 def test_uneven_nodes_are_refused_naming_both_counts():
-    from hvd_zoadam.comm.transport import ThreadGroup
+    from hvd_zoadam.comm.thread import ThreadGroup
     group = ThreadGroup(6, ranks_per_node=4)
     with pytest.raises(ValueError, match="4 ranks per node do not divide the world size 6"):
         group.transports()[0].node_split("x")

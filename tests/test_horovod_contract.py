@@ -18,7 +18,7 @@ import torch
 
 import hvd_zoadam
 from hvd_zoadam.comm.protocol import CollectiveNames
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 from conftest import load_ranks, run_job, run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))

@@ -81,8 +81,8 @@ def test_mask_arguments_are_checked():
     with pytest.raises(ValueError, match="shape"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
                                         exp_avg_mask={"emb.weight": torch.ones(3)},
-                                        transport=hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0])
+                                        transport=hvd_zoadam.comm.thread.ThreadGroup(1).transports()[0])
     with pytest.raises(ValueError, match="not a parameter"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(TinyLM().parameters()),
                                         exp_avg_mask={"nope": torch.ones(3)},
-                                        transport=hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0])
+                                        transport=hvd_zoadam.comm.thread.ThreadGroup(1).transports()[0])

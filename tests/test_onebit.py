@@ -109,7 +109,7 @@ def test_zoadam_knobs_are_refused_under_onebit():
     model = common.mlp()
     with pytest.raises(ValueError, match=r"local_step_scaler=8 is a 0/1 Adam knob; algorithm='onebit'"):
         hvd_zoadam.OnebitAdam(torch.optim.Adam(model.parameters()), freeze_step=3, local_step_scaler=8,
-                              transport=hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0])
+                              transport=hvd_zoadam.comm.thread.ThreadGroup(1).transports()[0])
     with pytest.raises(ValueError, match="algorithm must be 'zoadam'"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), algorithm="2bit")
 

@@ -16,7 +16,7 @@ import torch
 import hvd_zoadam
 from hvd_zoadam import Schedule, StepKind
 from hvd_zoadam.oracle.simulate import simulate_zoadam
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))

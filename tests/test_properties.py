@@ -32,7 +32,7 @@ from conftest import run_threads
 import hvd_zoadam
 from hvd_zoadam import checkpoint
 from hvd_zoadam.comm.protocol import NonFiniteError, compressed_allreduce
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 from hvd_zoadam.core.layout import padded_numel
 from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce

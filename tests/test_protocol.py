@@ -266,7 +266,7 @@ def test_buffer_checks_name_the_fix():
 
 @pytest.mark.parametrize("which", ["worker_error", "server_error"])
 def test_error_buffers_on_another_device_than_the_tensor_are_refused_by_name(which):
-    t = hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0]
+    t = hvd_zoadam.comm.thread.ThreadGroup(1).transports()[0]
     bufs = {"worker_error": torch.zeros(16), "server_error": torch.zeros(16)}
     bufs[which] = torch.zeros(16, device="meta")
     with pytest.raises(ValueError, match=f"{which} is on meta but the tensor is on cpu"):

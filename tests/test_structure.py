@@ -19,6 +19,7 @@ HOT_PATH = ["hvd_zoadam/shell/optimizer.py", "hvd_zoadam/shell/driver.py", "hvd_
             "hvd_zoadam/core/layout.py", "hvd_zoadam/core/algorithms/__init__.py",
             "hvd_zoadam/core/algorithms/zeroone.py", "hvd_zoadam/core/algorithms/onebit.py",
             "hvd_zoadam/comm/protocol.py", "hvd_zoadam/comm/transport.py", "hvd_zoadam/comm/hierarchical.py",
+            "hvd_zoadam/comm/horovod.py", "hvd_zoadam/comm/mpi.py", "hvd_zoadam/comm/thread.py",
             "native/__init__.py", "native/cpu.py", "native/reference.py"]
 # Not on the step path: the factory's docstring documents every option (validation only), and
 # the CUDA module's kernel factory holds several kernels, each short.

@@ -441,7 +441,7 @@ def cmd_step(args) -> dict:
 
     import hvd_zoadam
     from hvd_zoadam import StepKind
-    from hvd_zoadam.comm.transport import ThreadGroup
+    from hvd_zoadam.comm.thread import ThreadGroup
     lm = __import__("hvd_zoadam.bench.lm", fromlist=["_train_lm"])._train_lm()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():

@@ -172,7 +172,7 @@ def count(path: str, world_size: int, divisor: int = DIVISOR) -> dict:
     docstring). ``path``: ``"cpu"`` or ``"cuda-sim"`` (the CUDA simulator must be on)."""
     import hvd_zoadam
     from hvd_zoadam import native
-    from hvd_zoadam.comm.transport import ThreadGroup
+    from hvd_zoadam.comm.thread import ThreadGroup
     if path == "cuda-sim":
         native.use_cuda_kernels_on_cpu()
     cap = scaled_model(divisor)[1]

@@ -41,7 +41,7 @@ import torch
 
 from hvd_zoadam.bench import group_loss
 from hvd_zoadam.bench.lm import add_model_arguments
-from hvd_zoadam.comm.transport import ThreadGroup
+from hvd_zoadam.comm.thread import ThreadGroup
 
 SIZES = (37, 5, 1, 64)
 MODES = ("rank-files", "pooled", "grouped", "zeroed")

@@ -1,5 +1,5 @@
 """The 1-bit rounds over a Gloo group of hvd_zoadam's own, under Horovod's Gloo controller
-(``horovodrun --gloo``), as :class:`~hvd_zoadam.comm.transport.MPITransport` sends them through
+(``horovodrun --gloo``), as :class:`~hvd_zoadam.comm.mpi.MPITransport` sends them through
 mpi4py under Horovod's MPI controller.
 
 Through Horovod, every collective is a request that Horovod's background thread negotiates
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_zoadam.comm.transport import CollectiveTimeoutError, HorovodTransport
+from hvd_zoadam.comm.horovod import HorovodTransport
+from hvd_zoadam.comm.transport import CollectiveTimeoutError
 
 
 def gloo_unavailable_reason() -> str | None:

@@ -9,8 +9,9 @@ import sys
 import torch
 
 from hvd_zoadam.comm.gloo import GlooTransport, gloo_unavailable_reason
-from hvd_zoadam.comm.transport import (TRANSPORTS, HorovodTransport, MPICommTransport, MPITransport, Transport,
-                                       mpi_unavailable_reason)
+from hvd_zoadam.comm.horovod import HorovodTransport
+from hvd_zoadam.comm.mpi import MPICommTransport, MPITransport, mpi_unavailable_reason
+from hvd_zoadam.comm.transport import TRANSPORTS, Transport
 
 
 def make_transport(transport, process_set=None, device=None) -> Transport:
@@ -22,7 +23,7 @@ def make_transport(transport, process_set=None, device=None) -> Transport:
     ``"torch.distributed"`` (:class:`~hvd_zoadam.comm.torch_distributed.TorchDistributedTransport`;
     ``process_set`` is then a ``torch.distributed`` process group or None), ``"auto"``:
     ``"torch.distributed"`` when ``torch.distributed`` is initialised and Horovod is not (or is
-    not installed); mpi4py alone (:class:`~hvd_zoadam.comm.transport.MPICommTransport` on
+    not installed); mpi4py alone (:class:`~hvd_zoadam.comm.mpi.MPICommTransport` on
     ``MPI.COMM_WORLD``) when neither is and ``mpi4py.MPI`` has initialised MPI; else ``"mpi"``
     where :func:`mpi_unavailable_reason` finds nothing against it,
     else ``"gloo"`` for tensors on the CPU (``device``; None counts as the CPU) where

@@ -31,7 +31,8 @@ import numbers
 
 import torch
 
-from hvd_zoadam.comm.transport import Transport, mpi_comm_unavailable_reason
+from hvd_zoadam.comm.mpi import mpi_comm_unavailable_reason
+from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.shell.torch_distributed import (KNOBS, refuse_ddp, broadcast_state, broadcast_tensors,
                                                build_without_horovod)
 

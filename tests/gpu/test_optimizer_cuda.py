@@ -141,4 +141,4 @@ def test_parameters_on_two_devices_are_refused_naming_both():
     with pytest.raises(ValueError, match=r"parameter '1.weight' is on cpu but parameter '0.weight' is on cuda"):
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                         named_parameters=model.named_parameters(),
-                                        transport=hvd_zoadam.comm.transport.ThreadGroup(1).transports()[0])
+                                        transport=hvd_zoadam.comm.thread.ThreadGroup(1).transports()[0])

@@ -99,7 +99,7 @@ def front_end():
     if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "mpi":
         import mpi_shim
         import hvd_zoadam.mpi
-        from hvd_zoadam.comm.transport import MPICommTransport
+        from hvd_zoadam.comm.mpi import MPICommTransport
         return mpi_shim, hvd_zoadam.mpi.DistributedOptimizer, MPICommTransport
     if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "torch.distributed":
         import tdist_shim
@@ -108,5 +108,5 @@ def front_end():
         return tdist_shim, hvd_zoadam.distributed.DistributedOptimizer, TorchDistributedTransport
     import horovod.torch as hvd
     import hvd_zoadam
-    from hvd_zoadam.comm.transport import MPITransport
+    from hvd_zoadam.comm.mpi import MPITransport
     return hvd, hvd_zoadam.DistributedOptimizer, MPITransport

@@ -15,7 +15,7 @@ import common  # noqa: E402
 
 import hvd_zoadam  # noqa: E402
 import hvd_zoadam.mpi as zm  # noqa: E402
-from hvd_zoadam.comm.transport import MPICommTransport  # noqa: E402
+from hvd_zoadam.comm.mpi import MPICommTransport  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 
