@@ -394,7 +394,7 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
     """SYNC steps 5-7 (algorithm.md §2) from an unpacked ``w`` in parameter units (preconditioned, no
     mask): the window's decay on the anchor (``anchor ← anchor·decay_product``), then
     ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
-    ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.core.kinds.sync_finish` with
+    ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.core.step_math.sync_finish` with
     ``preconditioned=True, mask=None`` (:func:`reference.sync_rebuild`); one pass on the CPU
     instead of five. All float32[n]."""
     tensors = (w, anchor, param, exp_avg, denom)
@@ -406,7 +406,7 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
 
 def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:
     """SYNC steps 2-3 (algorithm.md §2) in parameter units: ``out = anchor·decay_product − param``
-    (the anchor itself unchanged), bitwise :func:`hvd_zoadam.core.kinds.sync_prepare` with
+    (the anchor itself unchanged), bitwise :func:`hvd_zoadam.core.step_math.sync_prepare` with
     ``preconditioned=True``; one pass on the CPU instead of two. All float32[n]. Returns ``out``."""
     if _cpu_kernels(param, anchor, out):
         cpu.sync_prepare(param.numpy(), anchor.numpy(), np.float32(decay_product), out.numpy())
@@ -422,7 +422,7 @@ _NO_MASK = np.zeros(0, dtype=np.bool_)
 def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp_avg, denom, factor: float,
                     decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
     """SYNC steps 5-7 (algorithm.md §2) straight from the packed result w, bitwise as
-    :func:`hvd_zoadam.core.kinds.sync_finish` after ``anchor.mul_(decay_product)``:
+    :func:`hvd_zoadam.core.step_math.sync_finish` after ``anchor.mul_(decay_product)``:
 
     w <- w·mask; x_a <- x_a·decay_product; preconditioned: x = x_a − w, m = (w·s)·factor;
     otherwise x = x_a − w/s, m = w·factor; then x_a <- x. ``factor`` is (1 − β1^t)/Λ.

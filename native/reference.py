@@ -170,7 +170,7 @@ def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_av
 def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, decay: float = 1.0,
                l2: float = 0.0, bound_factor: float | None = None, mask=None) -> None:
     """A LOCAL (or COMPRESSED) step, algorithm.md §2, in place: the one torch home of its
-    formula, which :func:`hvd_zoadam.core.kinds.momentum_step` calls and the CPU kernel matches
+    formula, which :func:`hvd_zoadam.core.step_math.momentum_step` calls and the CPU kernel matches
     bitwise.
 
     In order, each operation torch's own: g ← clamp(g, −s·c, s·c) with c = ``bound_factor``

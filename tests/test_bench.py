@@ -15,7 +15,8 @@ import pytest
 
 from conftest import BIN, ROOT, run_cmd, run_job
 
-from hvd_zoadam.bench.cli import DEFAULT_RUNS, _horovod_env_flags, _rate_report, step_time
+from hvd_zoadam.bench.model import step_time
+from hvd_zoadam.bench.network import DEFAULT_RUNS, _horovod_env_flags, _rate_report
 from hvd_zoadam.bench.lm import cores_used, thread_cpu_seconds
 
 
@@ -241,7 +242,7 @@ def test_alpha_beta_model_formulas_and_projection():
                          scale_block_numel=2048) == pytest.approx(bits * (1 + 32 / 2048))
     # nodes of L ranks: the flat exchange sends L·2(P−L)/P of the bits per node, the two-level one
     # what one rank of a flat exchange among the N = P/L nodes sends
-    from hvd_zoadam.bench.cli import exchange_node_bytes
+    from hvd_zoadam.bench.model import exchange_node_bytes
     assert exchange_node_bytes("zoadam", n=8e6, p=64, ranks_per_node=8) == pytest.approx(8 * 2 * 56 / 64 * 1e6)
     assert exchange_node_bytes("zoadam-2level", n=8e6, p=64, ranks_per_node=8) == pytest.approx(2 * 7 / 8 * 1e6)
     assert exchange_node_bytes("zoadam", n=8e6, p=2) == exchange_node_bytes("zoadam-2level", n=8e6, p=2)

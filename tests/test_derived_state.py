@@ -11,7 +11,7 @@ import torch
 
 import hvd_zoadam
 from conftest import run_threads
-from hvd_zoadam.core import kinds
+from hvd_zoadam.core import step_math
 from test_masks import KNOBS, TinyLM, common  # tokens 10..19 never occur: v stays 0 on those rows
 
 
@@ -39,7 +39,7 @@ def fresh_denoms(opt):
     out = []
     for b in opt._buckets:
         h = opt._engine.hyper(b, c["step"], c["exp_avg_sq_steps"])
-        out.append((opt._engine.denom(b, h).clone(), kinds.adam_denom(b.exp_avg_sq, h)))
+        out.append((opt._engine.denom(b, h).clone(), step_math.adam_denom(b.exp_avg_sq, h)))
     return out
 
 
@@ -88,7 +88,7 @@ def test_a_write_behind_the_version_counter_reaches_the_next_steps():
 
 def test_after_the_freeze_the_denominators_are_computed_once(monkeypatch):
     calls = []
-    real = kinds.adam_denom
+    real = step_math.adam_denom
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -97,7 +97,7 @@ def test_after_the_freeze_the_denominators_are_computed_once(monkeypatch):
     def body(rank, transport):
         model, opt = make(transport)
         train(model, opt, 6)                        # the freeze is at step 4
-        monkeypatch.setattr(kinds, "adam_denom", counted)
+        monkeypatch.setattr(step_math, "adam_denom", counted)
         train(model, opt, 12, seed=3)               # LOCAL and SYNC steps only
         return opt.comm_stats()
     stats = run_threads(2, body)[0]

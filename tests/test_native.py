@@ -289,9 +289,9 @@ def test_decompress_into_momentum_is_bitwise_the_reference(case, beta1):
 @given(case=cases(), preconditioned=st.booleans(), decay=st.sampled_from([1.0, 0.999]),
        masked=st.sampled_from([None, torch.bool, torch.uint8]))
 def test_decompress_sync_is_bitwise_the_optimizer_path(case, preconditioned, decay, masked):
-    """The fused SYNC rebuild equals ``anchor.mul_(decay); kinds.sync_finish(...)`` bit for bit
+    """The fused SYNC rebuild equals ``anchor.mul_(decay); step_math.sync_finish(...)`` bit for bit
     (zeros' signs included), the decay applied inside its one pass; masks of either dtype."""
-    from hvd_zoadam.core import kinds
+    from hvd_zoadam.core import step_math
     numels, p, y, e, gen = case
     offsets = segment_offsets(numels)
     n = sum(numels)
@@ -300,14 +300,14 @@ def test_decompress_sync_is_bitwise_the_optimizer_path(case, preconditioned, dec
     anchor = y[:n].clone()
     denom = torch.rand(n, generator=gen) + 1e-3
     mask = (torch.rand(n, generator=gen) > 0.3).to(masked) if masked else None
-    h = kinds.Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+    h = step_math.Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
                     bias_correction=True, step=50, exp_avg_sq_steps=10)
     lr_sum = 0.0173
     a1, x1, m1 = anchor.clone(), torch.empty(n), torch.empty(n)
     w = reference.decompress(packed, sscales, offsets, n)
     if decay != 1.0:
         a1.mul_(decay)
-    kinds.sync_finish(x1, a1, m1, denom, w, lr_sum, h, mask, preconditioned)
+    step_math.sync_finish(x1, a1, m1, denom, w, lr_sum, h, mask, preconditioned)
     a2, x2, m2 = anchor.clone(), torch.empty(n), torch.empty(n)
     native.decompress_sync(packed, sscales, native.Plan(offsets, y.numel(), p, 0), anchor=a2, param=x2,
                            exp_avg=m2, denom=denom, factor=h.bias_correction1 / lr_sum, decay_product=decay,
@@ -496,24 +496,24 @@ def test_local_window_update_is_bitwise_the_torch_ops_and_finds_non_finite_gradi
 
 @pytest.mark.parametrize("decay", [1.0, 0.9999876])
 def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
-    """native.sync_prepare / sync_rebuild (one pass each) against kinds.sync_prepare, then
-    anchor.mul_(decay) and kinds.sync_finish (five torch passes), bit for bit."""
-    from hvd_zoadam.core import kinds
+    """native.sync_prepare / sync_rebuild (one pass each) against step_math.sync_prepare, then
+    anchor.mul_(decay) and step_math.sync_finish (five torch passes), bit for bit."""
+    from hvd_zoadam.core import step_math
     gen = torch.Generator().manual_seed(3)
     n = 150_001
     x, anchor = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     x.add_(torch.randn(n, generator=gen) * 1e-3)
     denom = torch.rand(n, generator=gen) * 1e-2 + 1e-8
-    h = kinds.Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+    h = step_math.Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
                     bias_correction=True, step=40, exp_avg_sq_steps=9)
     w1, w2 = torch.empty(n), torch.full((n,), 7.0)
-    kinds.sync_prepare(x, anchor, None, decay, w1, True)
+    step_math.sync_prepare(x, anchor, None, decay, w1, True)
     native.sync_prepare(x, anchor, decay, w2)
     assert torch.equal(w1, w2)
     a1, x1, m1 = anchor.clone(), torch.empty(n), torch.empty(n)
     if decay != 1.0:
         a1.mul_(decay)
-    kinds.sync_finish(x1, a1, m1, denom, w1.clone(), 0.0123, h, None, True)
+    step_math.sync_finish(x1, a1, m1, denom, w1.clone(), 0.0123, h, None, True)
     a2, x2, m2 = anchor.clone(), torch.empty(n), torch.empty(n)
     native.sync_rebuild(w2, a2, x2, m2, denom, h.bias_correction1 / 0.0123, decay)
     assert torch.equal(x1, x2) and torch.equal(m1, m2) and torch.equal(a1, a2)

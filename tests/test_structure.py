@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOT_PATH = ["hvd_zoadam/shell/optimizer.py", "hvd_zoadam/shell/driver.py", "hvd_zoadam/shell/horovod_contract.py",
             "hvd_zoadam/shell/torch_optim.py", "hvd_zoadam/shell/overlap.py", "hvd_zoadam/shell/options.py",
             "hvd_zoadam/shell/stats.py", "hvd_zoadam/shell/horovod.py",
-            "hvd_zoadam/core/engine.py", "hvd_zoadam/core/kinds.py", "hvd_zoadam/core/schedule.py",
+            "hvd_zoadam/core/engine.py", "hvd_zoadam/core/step_math.py", "hvd_zoadam/core/schedule.py",
             "hvd_zoadam/core/layout.py", "hvd_zoadam/core/algorithms/__init__.py",
             "hvd_zoadam/core/algorithms/zeroone.py", "hvd_zoadam/core/algorithms/onebit.py",
             "hvd_zoadam/comm/protocol.py", "hvd_zoadam/comm/transport.py", "hvd_zoadam/comm/hierarchical.py",

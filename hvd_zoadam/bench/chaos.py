@@ -451,6 +451,7 @@ def add_parser(sub) -> None:
                          "validation loss, not bit for bit)")
     ap.add_argument("--timeout", type=float, default=8.0, help="HVD_ZOADAM_TIMEOUT_S, the collective deadline")
     ap.add_argument("--json", default=None)
+    ap.set_defaults(run=run)
 
 
 def main(argv=None) -> None:

@@ -470,12 +470,20 @@ def add_parser(sub) -> None:
                          "Adam again; its settings must match this run's except the 0/1 Adam knobs, --variants "
                          "and --vmap-chunk-size (--threads too: it may change the last bits)")
     _add_knobs(co)
+    co.set_defaults(run=lambda args: run(args, _examples()))
     sc = sub.add_parser("scaling", help="Adam against 0/1 Adam, flat and two-level, at several world sizes: "
                                         "validation loss, gap and bytes per rank")
     sc.add_argument("--ranks", default="2,4,8,16,32,64,128", help="comma-separated world sizes")
     sc.add_argument("--ranks-per-node", type=int, default=8,
                     help="L of the two-level rows (run where L divides P and P/L >= 2)")
     _add_knobs(sc)
+    sc.set_defaults(run=lambda args: run_scaling(args, _examples()))
+
+
+def _examples():
+    """The example modules the workloads take (:func:`hvd_zoadam.bench.lm.example_module`)."""
+    from hvd_zoadam.bench.lm import example_module
+    return example_module
 
 
 SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "between_nodes_per_rank",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hvd_zoadam.bench.lm import StepClock, _train_lm, _val_loss, backward_on_batch
+from hvd_zoadam.bench.lm import StepClock, _data, _train_lm, _val_loss, backward_on_batch
 
 
 def _my_address(master: str) -> str:
@@ -50,8 +50,24 @@ def parse(argv=None):
     return args
 
 
-def main(argv=None):
+def _manager(args, rank: int, world: int, me: str, model, inner):
+    """``(its store, the torchft Manager)`` of this rank's replica: one replica of one rank per
+    host, a quorum of every replica, the lighthouse at ``--master``."""
     from torchft import Manager, ProcessGroupGloo
+    store_port = args.port + 1 + rank
+    store = torch.distributed.TCPStore(me, store_port, is_master=True, wait_for_workers=False)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=world,
+                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+                      use_async_quorum=False, init_sync=False, replica_id=f"replica{rank}", store_addr=me,
+                      store_port=store_port, rank=0, world_size=1, lighthouse_addr=f"http://{args.master}:{args.port}",
+                      hostname=me, port=args.port + 100 + rank, max_retries=3,
+                      timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
+                      connect_timeout=timedelta(seconds=60))
+    return store, manager
+
+
+def main(argv=None):
     from torchft._torchft import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
@@ -64,31 +80,16 @@ def main(argv=None):
     lighthouse = None
     if rank == 0:
         lighthouse = LighthouseServer(bind=f"[::]:{args.port}", min_replicas=world)
-    text = lm.load_corpus()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    encoded = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    data, held_out = encoded[:int(0.9 * len(text))], encoded[int(0.9 * len(text)):]
-    val_gen = torch.Generator().manual_seed(12345)
-    val_batches = [lm.get_batch(held_out, args.batch_size, args.block_size, val_gen) for _ in range(args.eval_batches)]
+    data, val_batches, vocab = _data(lm, args)
     torch.manual_seed(1234)
-    model = lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
+    model = lm.CharGPT(vocab, args.block_size, args.n_layer, args.n_embd, args.n_head)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     inner = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.98))
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lm.lr_lambda(args.warmup, args.steps))
-    store_port = args.port + 1 + rank
-    store = torch.distributed.TCPStore(me, store_port, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=world,
-                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
-                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
-                      use_async_quorum=False, init_sync=False, replica_id=f"replica{rank}", store_addr=me,
-                      store_port=store_port, rank=0, world_size=1, lighthouse_addr=f"http://{args.master}:{args.port}",
-                      hostname=me, port=args.port + 100 + rank, max_retries=3,
-                      timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
-                      connect_timeout=timedelta(seconds=60))
+    store, manager = _manager(args, rank, world, me, model, inner)
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
     losses, clock = [], StepClock(args.skip)
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every):

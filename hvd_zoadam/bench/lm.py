@@ -261,30 +261,31 @@ def _onebit_freeze(args) -> int:
     return max(1, round(args.onebit_freeze_frac * args.steps))
 
 
-def main(argv=None):
-    args = parse(argv)
-    lm = _train_lm()
-    torch.set_num_threads(1)
+def _init_world(args):
+    """Start what the run's system needs: ``(hvd, dist, comm, rank, world)``, the others None."""
     hvd = dist = comm = None
     if args.run in ("adam", "adam-fp16", "zoadam", "zoadam-defaults", "onebit", "compute-horovod"):
         import horovod.torch as hvd
         hvd.init()
-        rank, world = hvd.rank(), hvd.size()
-    elif args.run in ("zoadam-mpi", "compute-lockstep"):
+        return hvd, None, None, hvd.rank(), hvd.size()
+    if args.run in ("zoadam-mpi", "compute-lockstep"):
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-        rank, world = comm.Get_rank(), comm.Get_size()
-    elif args.run == "zoadam-torchrun":  # torchrun's env:// (MASTER_ADDR, RANK, WORLD_SIZE, ...)
+        return None, None, comm, comm.Get_rank(), comm.Get_size()
+    if args.run == "zoadam-torchrun":  # torchrun's env:// (MASTER_ADDR, RANK, WORLD_SIZE, ...)
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
-        world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-        if args.run != "compute":
-            import torch.distributed as dist
-            dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank,
-                                    world_size=world)
+        return None, dist, None, dist.get_rank(), dist.get_world_size()
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    if args.run != "compute":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=world)
+    return hvd, dist, comm, rank, world
+
+
+def _data(lm, args):
+    """``(training characters, fixed held-out batches, vocabulary size)`` of the corpus."""
     text = lm.load_corpus()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
@@ -292,14 +293,11 @@ def main(argv=None):
     data, held_out = encoded[:int(0.9 * len(text))], encoded[int(0.9 * len(text)):]
     val_gen = torch.Generator().manual_seed(12345)  # one fixed held-out set for every system
     val_batches = [lm.get_batch(held_out, args.batch_size, args.block_size, val_gen) for _ in range(args.eval_batches)]
-    torch.manual_seed(1234)
-    model = lm.CharGPT(len(chars), args.block_size, args.n_layer, args.n_embd, args.n_head)
-    n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
-    averager = None
-    net = model
+    return data, val_batches, len(chars)
+
+
+def _optimizer(args, model, groups, hvd):
+    """The run's optimizer for the 0/1 Adam, Adam and 1-bit Adam runs."""
     if args.run in ZOADAM_RUNS:
         import hvd_zoadam
         import hvd_zoadam.distributed as zd
@@ -307,43 +305,48 @@ def main(argv=None):
         factory = {"zoadam": hvd_zoadam.DistributedOptimizer, "zoadam-defaults": hvd_zoadam.DistributedOptimizer,
                    "zoadam-torchrun": zd.DistributedOptimizer, "zoadam-mpi": zm.DistributedOptimizer}[args.run]
         extra = {"compression": hvd.Compression.fp16} if args.compression == "fp16" else {}
-        opt = factory(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)),
-                      named_parameters=model.named_parameters(), **_zoadam_knobs(args), transport=args.transport,
-                      bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap == "on", **extra)
-    elif args.run in ("adam", "adam-fp16", "onebit"):
-        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
-        if args.run == "onebit":
-            import hvd_zoadam
-            opt = hvd_zoadam.OnebitAdam(inner, model.named_parameters(), freeze_step=_onebit_freeze(args),
-                                        scale_block_numel=256, transport=args.transport,
-                                        bucket_cap_mb=args.bucket_cap_mb)
+        return factory(torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98)),
+                       named_parameters=model.named_parameters(), **_zoadam_knobs(args), transport=args.transport,
+                       bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap == "on", **extra)
+    inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args, args.run))
+    if args.run == "onebit":
+        import hvd_zoadam
+        return hvd_zoadam.OnebitAdam(inner, model.named_parameters(), freeze_step=_onebit_freeze(args),
+                                     scale_block_numel=256, transport=args.transport, bucket_cap_mb=args.bucket_cap_mb)
+    comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
+    return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
+
+
+def _ddp(args, model, groups, dist):
+    """``(net, opt, averager)`` of the DDP runs (PowerSGD, post-local SGD) and the compute-only ones."""
+    net, averager = model, None
+    if dist is not None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        net = DDP(model, bucket_cap_mb=1000)
+        if args.run == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+            state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                           start_powerSGD_iter=max(2, args.warmup), use_error_feedback=True,
+                                           warm_start=True)
+            net.register_comm_hook(state, powerSGD.powerSGD_hook)
         else:
-            comp = hvd.Compression.fp16 if args.run == "adam-fp16" else hvd.Compression.none
-            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
-    else:
-        if dist is not None:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            net = DDP(model, bucket_cap_mb=1000)
-            if args.run == "ddp-powersgd":
-                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
-                state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                               start_powerSGD_iter=max(2, args.warmup), use_error_feedback=True,
-                                               warm_start=True)
-                net.register_comm_hook(state, powerSGD.powerSGD_hook)
-            else:
-                from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
-                    PostLocalSGDState, post_localSGD_hook)
-                from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-                subgroup, _ = dist.new_subgroups(group_size=1)  # local steps: no intra-node averaging (CPU)
-                net.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup,
-                                                         start_localSGD_iter=args.warmup), post_localSGD_hook)
-                averager = PeriodicModelAverager(period=args.local_period, warmup_steps=args.warmup)
-        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args))
+            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
+                                                                                        post_localSGD_hook)
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+            subgroup, _ = dist.new_subgroups(group_size=1)  # local steps: no intra-node averaging (CPU)
+            net.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup,
+                                                     start_localSGD_iter=args.warmup), post_localSGD_hook)
+            averager = PeriodicModelAverager(period=args.local_period, warmup_steps=args.warmup)
+    return net, torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), **_adamw_impl(args)), averager
+
+
+def _train(args, lm, world_state, model, net, opt, averager, data, val_batches):
+    """The timed loop: ``(losses, clock, seconds per step kind, the breakdown timer)``."""
+    hvd, dist, comm, rank, world = world_state
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lm.lr_lambda(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(1234 * 1000 + rank)
-    losses, clock = [], StepClock(args.skip)
+    losses, clock, kind_s = [], StepClock(args.skip), {}  # kind_s: zoadam's seconds per step kind
     lockstep = np.zeros(1)  # compute-lockstep's 8 bytes
-    kind_s = {}  # zoadam: seconds per step kind (data, forward, backward and step together)
     timer = Breakdown()  # its regions only; the library is wrapped with --breakdown alone
     if args.breakdown:
         timer.install(getattr(opt, "transport", None))
@@ -358,20 +361,27 @@ def main(argv=None):
             if averager is not None:
                 averager.average_parameters(model.parameters())
         if args.run == "compute-lockstep":
+            from mpi4py import MPI
             with timer.collective("allreduce", "bench.lockstep"):
                 comm.Allreduce(MPI.IN_PLACE, lockstep, op=MPI.SUM)
-        kind = "step"
-        if before is not None:
-            after = opt.comm_stats()
-            kind = next(k for k in ("variance", "compressed", "local", "sync")
-                        if after[k]["steps"] > before[k]["steps"])
-            if step > args.skip:
-                kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - clock.stamps[step]
+        kind = "step" if before is None else _kind_taken(before, opt.comm_stats())
+        if before is not None and step > args.skip:
+            kind_s[kind] = kind_s.get(kind, 0.0) + time.perf_counter() - clock.stamps[step]
         sched.step()
         losses.append(loss.item())
         timer.end_step(kind)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             clock.validate(step, lambda: _val_loss(model, val_batches, hvd, dist, comm, world, step))
+    return losses, clock, kind_s, timer
+
+
+def _kind_taken(before: dict, after: dict) -> str:
+    return next(k for k in ("variance", "compressed", "local", "sync") if after[k]["steps"] > before[k]["steps"])
+
+
+def _report(args, world_state, opt, n_params, losses, clock, kind_s) -> dict:
+    """The run's JSON: speeds, the final loss (averaged over the ranks), curves, bytes and kinds."""
+    hvd, dist, comm, rank, world = world_state
     elapsed = clock.elapsed()  # steps/s and wall times never include evaluations
     steady_from = max(args.warmup, args.skip) + 1   # after the freeze / PowerSGD and local-SGD start
     steady = ((args.steps - steady_from + 1) / (clock.end - clock.stamps[steady_from]
@@ -387,13 +397,12 @@ def main(argv=None):
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
                    transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed")},
                    timed_seconds_by_kind=kind_s, config={"freeze_step": _onebit_freeze(args), "scale_block_numel": 256,
-                           "bucket_cap_mb": args.bucket_cap_mb})
+                                                         "bucket_cap_mb": args.bucket_cap_mb})
     if args.run in ZOADAM_RUNS:
-        stats = opt.comm_stats()
+        stats, kinds = opt.comm_stats(), ("variance", "compressed", "local", "sync")
         out.update(bytes_sent_counted=stats["bytes_sent_total"], rounds=stats["rounds_total"],
-                   transport=stats["transport"], kinds={k: stats[k]["steps"] for k in ("variance", "compressed",
-                                                                                        "local", "sync")},
-                   bytes_sent_by_kind={k: stats[k]["bytes_sent"] for k in ("variance", "compressed", "local", "sync")},
+                   transport=stats["transport"], kinds={k: stats[k]["steps"] for k in kinds},
+                   bytes_sent_by_kind={k: stats[k]["bytes_sent"] for k in kinds},
                    timed_seconds_by_kind=kind_s, var_freeze_step=opt.schedule_state()["var_freeze_step"],
                    config={**_zoadam_knobs(args), "bucket_cap_mb": args.bucket_cap_mb,
                            "compression": args.compression, "overlap": args.overlap == "on"})
@@ -402,6 +411,13 @@ def main(argv=None):
     if args.run.startswith("adam"):
         width = 2 if args.run == "adam-fp16" else 4
         out.update(bytes_sent_counted=args.steps * 2 * (world - 1) / world * width * n_params, rounds=args.steps)
+    return out
+
+
+def _finish(args, world_state, out: dict, timer) -> None:
+    """Write the report (rank 0; every rank's for the compute-only runs and the breakdown), then
+    an orderly end of the run's collectives."""
+    hvd, dist, comm, rank, world = world_state
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     if args.breakdown:
@@ -419,6 +435,25 @@ def main(argv=None):
     elif comm is not None:
         comm.Barrier()
 
+
+def main(argv=None):
+    args = parse(argv)
+    lm = _train_lm()
+    torch.set_num_threads(1)
+    world_state = _init_world(args)
+    data, val_batches, vocab = _data(lm, args)
+    torch.manual_seed(1234)
+    model = lm.CharGPT(vocab, args.block_size, args.n_layer, args.n_embd, args.n_head)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.run in (*ZOADAM_RUNS, "adam", "adam-fp16", "onebit"):
+        net, opt, averager = model, _optimizer(args, model, groups, world_state[0]), None
+    else:
+        net, opt, averager = _ddp(args, model, groups, world_state[1])
+    losses, clock, kind_s, timer = _train(args, lm, world_state, model, net, opt, averager, data, val_batches)
+    out = _report(args, world_state, opt, sum(p.numel() for p in model.parameters()), losses, clock, kind_s)
+    _finish(args, world_state, out, timer)
 
 if __name__ == "__main__":
     sys.exit(main())

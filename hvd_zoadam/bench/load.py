@@ -151,3 +151,4 @@ def add_parser(sub) -> None:
     lo.add_argument("--repeats", type=int, default=3)
     lo.add_argument("--threads", type=int, default=1)
     lo.add_argument("--json")
+    lo.set_defaults(run=run)

@@ -303,3 +303,12 @@ def add_parser(sub) -> None:
                     help="global: every world size trains on the saving job's P batches per step (the resume "
                          "alone is measured); per-rank: each rank its own batch (P'/P of the data per step)")
     add_model_arguments(lm, warmup_help="LR warm-up steps, also the variance freeze")
+    ap.set_defaults(run=lambda args: run(args, _lm_case(args)))
+
+
+def _lm_case(args):
+    """The char LM of examples/train_lm.py for ``--case lm``, else None."""
+    if args.case != "lm":
+        return None
+    from hvd_zoadam.bench.lm import _train_lm
+    return _train_lm()

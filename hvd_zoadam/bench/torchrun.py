@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     ap.add_argument("--run-timeout", type=int, default=1800, help="seconds per run")
     ap.add_argument("--script-args", nargs="*", default=[], help="more arguments for the script (must come last)")
     ap.add_argument("--json", help="also write the report here")
+    ap.set_defaults(run=run)
 
 
 def run_once(optimizer: str, args) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hvd_zoadam import native
-from hvd_zoadam.core import kinds
+from hvd_zoadam.core import step_math
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange
 from hvd_zoadam.core.layout import make_buckets, scale_segments
 from hvd_zoadam.comm.protocol import CollectiveNames, Exchange
@@ -227,12 +227,12 @@ class Engine:
         return None if self.levels is None else [self.levels[1].world_size, self.levels[0].world_size]
 
     # -- per-step access to flat data -----------------------------------------------------------
-    def hyper(self, b: Bucket, step: int, exp_avg_sq_steps: int, var_update_steps: int = 1) -> kinds.Hyper:
+    def hyper(self, b: Bucket, step: int, exp_avg_sq_steps: int, var_update_steps: int = 1) -> step_math.Hyper:
         """The hyperparameters of bucket ``b``'s param group for step t = ``step``, K =
         ``exp_avg_sq_steps``, and I = ``var_update_steps`` for a VARIANCE step's update of v."""
         group = self.param_groups[b.group_index]
         beta1, beta2 = group["betas"]
-        return kinds.Hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        return step_math.Hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"],
                            decoupled=bool(group.get("decoupled_weight_decay", False)),
                            bias_correction=self.bias_correction, step=step,
@@ -330,7 +330,7 @@ class Engine:
         and with ``auto_exp_avg_mask`` also :meth:`DerivedFromExpAvgSq.mask`."""
         return self.derived.mask(b) if self.auto_exp_avg_mask else b.mask
 
-    def denom(self, b: Bucket, h: kinds.Hyper) -> torch.Tensor:
+    def denom(self, b: Bucket, h: step_math.Hyper) -> torch.Tensor:
         """s = sqrt(v̂) + eps of bucket ``b``, float32[n], for reading only
         (:meth:`DerivedFromExpAvgSq.denom`)."""
         return self.derived.denom(b, h)
@@ -379,8 +379,8 @@ class DerivedFromExpAvgSq:
             cached = self._masks[id(b)] = (key, None if bool(mask.all()) else mask)
         return cached[1]
 
-    def denom(self, b: Bucket, h: kinds.Hyper) -> torch.Tensor:
-        """s = sqrt(v̂) + eps of bucket ``b`` (:func:`~hvd_zoadam.core.kinds.adam_denom`),
+    def denom(self, b: Bucket, h: step_math.Hyper) -> torch.Tensor:
+        """s = sqrt(v̂) + eps of bucket ``b`` (:func:`~hvd_zoadam.core.step_math.adam_denom`),
         float32[n], for reading only.
 
         On the CPU it is kept per bucket until exp_avg_sq, its bias correction or eps change
@@ -391,12 +391,12 @@ class DerivedFromExpAvgSq:
         """
         engine = self._engine()
         if engine.device.type != "cpu":
-            return kinds.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
+            return step_math.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
         key = (b.exp_avg_sq._version, b.exp_avg_sq.data_ptr(), h.bias_correction2, h.eps)
         cached = self._denoms.get(id(b))
         if cached is None or cached[0] != key:
             out = cached[1] if cached is not None else torch.empty(b.numel, device=engine.device)
-            cached = self._denoms[id(b)] = (key, kinds.adam_denom(b.exp_avg_sq, h, out=out))
+            cached = self._denoms[id(b)] = (key, step_math.adam_denom(b.exp_avg_sq, h, out=out))
         return cached[1]
 
     def denom_bytes(self) -> int:

@@ -8,9 +8,10 @@ from __future__ import annotations
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.shell.elastic import register_state_handler
 from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
-from hvd_zoadam.shell.options import check_horovod_arguments, horovod_groups
+from hvd_zoadam.shell.options import check_horovod_arguments, documents_knobs, horovod_groups
 
 
+@documents_knobs()
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
                          op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None, *, var_freeze_step="auto", var_update_scaler="auto",
@@ -21,12 +22,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam (or 1-bit Adam) optimizer that
     communicates through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
-    ``algorithm``: ``"zoadam"`` (0/1 Adam, the default) or ``"onebit"`` (1-bit Adam, Tang et
-    al. 2021, algorithm.md §9: full-precision Adam up to step ``var_freeze_step``, then the
-    1-bit exchange of the momentum at every step with v frozen; :func:`OnebitAdam` says it
-    with DeepSpeed's name ``freeze_step``). Under ``"onebit"`` the 0/1 Adam knobs
-    ``var_update_scaler``, ``local_step_*`` and ``precondition_compression`` must keep their
-    defaults (ValueError otherwise).
+    1-bit Adam (Tang et al. 2021, algorithm.md §9) is ``algorithm="onebit"``, or
+    :func:`OnebitAdam` with DeepSpeed's name ``freeze_step``.
 
     Horovod's arguments keep Horovod's meaning:
 
@@ -34,8 +31,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     * ``compression``: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``, which
       casts the full-precision VARIANCE-step averages to fp16 on the wire, as Horovod does.
       The 1-bit phases are already compressed and do not change.
-    * ``backward_passes_per_step`` (>= 1): gradients of that many ``backward()`` calls are
-      summed locally (torch semantics) before ``step()``; more raise Horovod's error.
     * ``op``: only ``hvd.Average`` (the default); 0/1 Adam is defined on the average.
     * ``gradient_predivide_factor``: as Horovod, splits the VARIANCE average into a
       divide by f before and a multiply by f/P after the sum. The 1-bit exchange is
@@ -48,49 +43,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
       a rank outside it cannot build the optimizer (ValueError): it would hold buffers laid
       out for a world it is not part of, and a ``step()`` there could only be a no-op.
 
-    0/1 Adam's keyword-only knobs (algorithm.md §4): ``var_freeze_step`` (T_f, steps),
-    ``var_update_scaler`` (κ), ``local_step_scaler`` (α, steps), ``local_step_clipper``
-    (H_max, steps), ``local_step_policy`` (``"steps"``, ``"lr"`` or ``"constant"``),
-    ``var_update_weighting`` (``"interval"``, the default: an update of v at t in T_v weighs as
-    the steps since the previous one, so that v weighs time as Adam's does; ``"paper"``: as one
-    step, the paper's and DeepSpeed's rule), ``bias_correction``, ``transport`` (``"horovod"``: Horovod's collectives; ``"mpi"``: the
-    1-bit phases over mpi4py on Horovod's MPI world; ``"gloo"``: the 1-bit phases over a Gloo
-    group of hvd_zoadam's own under Horovod's Gloo controller; each of those two a ``ValueError``
-    naming the reason where it cannot work; ``"auto"``: ``"mpi"`` when Horovod runs the MPI
-    controller with ``MPI_THREAD_MULTIPLE`` and mpi4py works, ``"gloo"`` when it runs the Gloo
-    controller outside an elastic job and the parameters are on the CPU, else ``"horovod"``; ``comm_stats()["transport"]`` says
-    which), ``bucket_cap_mb``
-    (the fused bucket size, MiB of float32), ``scale_block_numel`` (elements per 1-bit scale:
-    each tensor is cut into blocks of at most this many elements, each with its own scale;
-    ``None`` for one scale per tensor; a multiple of 8 or None), ``exp_avg_mask``
-    (``{param or name: 0/1 tensor of its shape}``: coordinates at 0 never move; sign
-    compression cannot send an exact 0, so a coordinate whose gradient is always 0 would
-    otherwise random-walk; DeepSpeed's group option ``exp_avg_mask`` works too), and
-    ``auto_exp_avg_mask`` (default True: hold still the coordinates whose averaged gradient
-    was exactly 0 in every VARIANCE step, i.e. whose ``exp_avg_sq`` is 0. With a frozen v
-    such a coordinate's Adam step would be m/eps, and compression noise drives it to
-    overflow; measured: a small CNN on digits went to NaN within 10 steps without it. It
-    costs no memory. A coordinate that gets its first gradient after the freeze stays
-    still; pass False to get DeepSpeed's behaviour), and ``precondition_compression``
-    (default True: compress g/s and x_a − x instead of the paper's g and (x_a − x)·s, so each
-    coordinate's compression error is proportional to its own Adam denominator s; with False
-    a coordinate with a small v receives the block's error divided by its small s, which made
-    a small CNN diverge here), and ``step_log`` (a path: append one JSON line per step with
-    step, kind, lr, loss (from ``step(closure)`` or :meth:`~hvd_zoadam.shell.stats.ReportsMixin.log_loss`),
-    skipped, and the cumulative bytes sent and rounds; rank 0 only unless the path holds
-    ``{rank}``), and ``overlap`` (default True: with P > 1, from the second step on, the
-    gradient hooks start a VARIANCE step's allreduces and a COMPRESSED or SYNC step's round 1 for
-    each bucket as soon as all its gradients are ready, in a fixed bucket order, while the
-    backward pass goes on; not under ``torch.amp.GradScaler``, whose scale is only known in
-    ``step()``. False: everything starts in ``synchronize()``. Same results either way), and
-    ``hierarchical`` (``False``, the default; ``True``; or ``"auto"``: the two-level exchange of
-    algorithm.md §3 for nodes of several ranks: a full-precision reduce-scatter inside each
-    node, the 1-bit exchange of each shard among the nodes, an allgather inside the node; about
-    L times fewer bytes between nodes with L ranks per node. It needs ``transport="mpi"``
-    (``True`` under Horovod's collectives is a ValueError that says so) and the same number of
-    ranks on every node; nodes are MPI's shared-memory domains, or blocks of
-    ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks. ``"auto"`` turns it on where the transport
-    can split and there are several nodes of several ranks each).
+    ``backward_passes_per_step``, and 0/1 Adam's and 1-bit Adam's keyword-only knobs
+    (docs/algorithm.md §4), each winning over its default when set:
+
+    {knobs}
+
+    ``transport`` here: ``"horovod"`` (Horovod's collectives), ``"mpi"`` (the 1-bit phases over
+    mpi4py on Horovod's MPI world), ``"gloo"`` (over a Gloo group of hvd_zoadam's own under
+    Horovod's Gloo controller), each a ValueError naming the reason where it cannot work;
+    ``"auto"``: ``"mpi"`` under Horovod's MPI controller with ``MPI_THREAD_MULTIPLE`` and mpi4py,
+    ``"gloo"`` under its Gloo controller outside an elastic job with CPU parameters, else
+    ``"horovod"``. ``hierarchical`` needs ``transport="mpi"`` (True under the others is a
+    ValueError) and the same number of ranks on every node: nodes are MPI's shared-memory
+    domains, or blocks of ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks; ``"auto"`` splits
+    where there are several nodes of several ranks.
 
     Every argument is checked before Horovod is (``hvd.init()`` called, this rank in
     ``process_set``), as ``hvd.DistributedOptimizer`` does.

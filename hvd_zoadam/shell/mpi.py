@@ -33,6 +33,8 @@ import torch
 
 from hvd_zoadam.comm.mpi import mpi_comm_unavailable_reason
 from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.shell.options import documents_knobs
+from hvd_zoadam.shell.torch_distributed import DistributedOptimizer as _torch_distributed_optimizer
 from hvd_zoadam.shell.torch_distributed import (KNOBS, refuse_ddp, broadcast_state, broadcast_tensors,
                                                build_without_horovod)
 
@@ -41,6 +43,7 @@ __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadc
 FRONT_END = "hvd_zoadam.mpi.DistributedOptimizer"
 
 
+@documents_knobs(like=_torch_distributed_optimizer)
 def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options):  # noqa: N802 - Horovod's name
     """Wrap a ``torch.optim.Adam``/``AdamW`` into 0/1 Adam (or 1-bit Adam) over an mpi4py
     communicator, without Horovod.
@@ -51,13 +54,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options)
             check across ranks (recommended; without them parameters are named by position).
         comm: the ranks that train together, an mpi4py intracommunicator (default
             ``MPI.COMM_WORLD``); every one of its ranks builds the optimizer.
-        **options: the keyword-only options of
-            :func:`hvd_zoadam.distributed.DistributedOptimizer`, with its defaults
-            (``var_freeze_step``, ``local_step_policy``, ``bucket_cap_mb``, ``hierarchical``, ...);
-            ``transport`` is ``"auto"`` or ``"mpi"`` (the same here) or a
-            :class:`~hvd_zoadam.comm.transport.Transport`. ``hierarchical=True`` takes nodes
-            from ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, or blocks of
-            ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks when that is set.
+        **options: the knobs below, those of :func:`hvd_zoadam.distributed.DistributedOptimizer`.
+
+    The knobs, each winning over its default when set (``transport`` here: ``"auto"`` or
+    ``"mpi"``, the same, or a :class:`~hvd_zoadam.comm.transport.Transport`; ``hierarchical``'s
+    nodes: ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``, or blocks of
+    ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks when that is set):
+
+    {knobs}
 
     Returns:
         A :class:`~hvd_zoadam.shell.optimizer.ZeroOneAdamOptimizer` (or

@@ -121,6 +121,67 @@ def check_groups(groups) -> None:
 
 AUTO = "auto"  # a knob's default that the optimizer decides (from the world size, or during training)
 
+# The knobs every front end takes, each documented once: meaning, unit, when to change it (the
+# default comes from the front end's signature). Rendered into the front ends' docstrings by
+# :func:`documents_knobs`.
+KNOB_DOCS = {
+    "backward_passes_per_step": "gradients of that many ``backward()`` calls are summed locally (torch semantics) "
+                                "before ``step()``; more raise Horovod's error.",
+    "var_freeze_step": "T_f, steps: the last step before v (``exp_avg_sq``) freezes; after it the ranks take local "
+                       "steps between syncs. ``\"auto\"`` decides it during training from the learning rate: twice "
+                       "the warm-up, no earlier than 15κ steps nor a quarter of 1/(1 − β2) (docs/algorithm.md §4). "
+                       "Set it where the rate has no warm-up to read, or to freeze sooner over a slow link.",
+    "var_update_scaler": "κ: updates of v (full-precision VARIANCE steps) per interval before the interval "
+                         "doubles. ``\"auto\"``: 8, or 14 from 64 ranks. Higher: closer to Adam, more bytes.",
+    "local_step_scaler": "α, steps: under the ``\"steps\"`` policy the sync interval H doubles every α steps "
+                         "past the freeze (DeepSpeed's rule). Read by that policy only.",
+    "local_step_clipper": "H_max, steps, a power of 2: the longest window of local steps between syncs. Longer: "
+                          "fewer rounds, ranks further apart between syncs.",
+    "local_step_policy": "``\"lr\"``: H doubles each time the learning rate halves from its value at the freeze "
+                         "(H = 1 at a constant rate); ``\"steps\"``: every α steps; ``\"constant\"``: H = H_max.",
+    "var_update_weighting": "``\"interval\"``: an update of v weighs as the steps since the last one, so v "
+                            "weighs time as Adam's does; ``\"paper\"``: as one step (the paper's and DeepSpeed's).",
+    "bias_correction": "Adam's bias corrections of m and v, as ``torch.optim.Adam``.",
+    "transport": "what moves the bytes (below); ``\"auto\"`` picks for the launcher, and "
+                 "``comm_stats()[\"transport\"]`` says which. The results are the same whichever does.",
+    "bucket_cap_mb": "MiB of float32 per fused bucket; each bucket's 1-bit exchange takes two rounds, and the "
+                     "buckets pipeline. On slow links give the model four buckets or more.",
+    "scale_block_numel": "elements per 1-bit scale: a multiple of 8, or None for one scale per tensor. "
+                         "``\"auto\"``: 256, or 64 from 32 ranks. Smaller: less compression error, more bytes.",
+    "exp_avg_mask": "``{param or name: 0/1 tensor of its shape}``: coordinates at 0 never move (sign compression "
+                    "cannot send an exact 0). DeepSpeed's group option ``exp_avg_mask`` works too.",
+    "auto_exp_avg_mask": "hold still the coordinates whose v is exactly 0 (their average gradient was 0 at every "
+                         "VARIANCE step; a frozen v would give them m/eps steps). False: DeepSpeed's behaviour.",
+    "precondition_compression": "compress g/s and x_a − x instead of the paper's g and (x_a − x)·s, so that each "
+                                "coordinate's compression error scales with its own Adam denominator.",
+    "step_log": "a path: one JSON line per step (step, kind, lr, loss, skipped, bytes, rounds), rank 0's unless "
+                "the path holds ``{rank}``.",
+    "overlap": "the backward hooks start each bucket's exchange while backward runs (from the second step; "
+               "not under ``torch.amp.GradScaler``). The results are those of False.",
+    "algorithm": "``\"zoadam\"`` (0/1 Adam) or ``\"onebit\"`` (1-bit Adam: Adam up to ``var_freeze_step``, then "
+                 "the momentum's 1-bit exchange at every step; the 0/1 Adam knobs must keep their defaults).",
+    "hierarchical": "True or ``\"auto\"``: the two-level exchange for nodes of several ranks, full precision "
+                    "inside a node and 1 bit between nodes (docs/algorithm.md §3); where nodes come from: below.",
+}
+
+
+def documents_knobs(like=None):
+    """A decorator: put one line per knob of a front end (its name, its default from the
+    signature, and :data:`KNOB_DOCS`) where the decorated function's docstring has the line
+    ``{knobs}``. The knobs are the parameters with a default that :data:`KNOB_DOCS` documents,
+    of the decorated function or of ``like`` (for a front end that takes them as ``**options``)."""
+    def render(func):
+        import inspect
+        import textwrap
+        lines = []
+        for name, param in inspect.signature(like or func).parameters.items():
+            if param.default is not param.empty and name in KNOB_DOCS:
+                text = f"* ``{name}`` (default ``{param.default!r}``): {KNOB_DOCS[name]}"
+                lines += textwrap.wrap(text, 96, initial_indent="    ", subsequent_indent="      ")
+        func.__doc__ = func.__doc__.replace("    {knobs}\n", "\n".join(lines) + "\n")
+        return func
+    return render
+
 
 def auto_var_update_scaler(world_size: int) -> int:
     """κ under ``var_update_scaler="auto"``: 8 below 64 ranks, 14 from 64 (at 64 and more ranks one

@@ -29,10 +29,12 @@ from hvd_zoadam.comm.select import torch_distributed_transport
 from hvd_zoadam.comm.torch_distributed import torch_distributed_unavailable_reason
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.shell.optimizer import build_optimizer
+from hvd_zoadam.shell.options import documents_knobs
 
 __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
 
 
+@documents_knobs()
 def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *, backward_passes_per_step=1,
                          var_freeze_step="auto", var_update_scaler="auto", local_step_scaler=32768,
                          local_step_clipper=8, local_step_policy="lr", var_update_weighting="interval",
@@ -48,12 +50,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
         named_parameters: ``model.named_parameters()``; the names key the settings and layout
             check across ranks (recommended; without them parameters are named by position).
         process_group: the ranks that train together (default: the default group).
-        transport: ``"auto"`` or ``"torch.distributed"`` (the same here), or a
-            :class:`~hvd_zoadam.comm.transport.Transport`.
-        hierarchical: the two-level exchange (docs/algorithm.md §3) with nodes of
-            ``LOCAL_WORLD_SIZE`` ranks (what torchrun sets), or blocks of
-            ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks when that is set.
-        The other knobs: as :func:`hvd_zoadam.DistributedOptimizer`.
+
+    The knobs, each winning over its default when set (``transport`` here: ``"auto"`` or
+    ``"torch.distributed"``, the same, or a :class:`~hvd_zoadam.comm.transport.Transport`;
+    ``hierarchical``'s nodes: ``LOCAL_WORLD_SIZE`` ranks, what torchrun sets, or blocks of
+    ``HVD_ZOADAM_RANKS_PER_NODE`` consecutive ranks when that is set):
+
+    {knobs}
 
     Returns:
         A :class:`~hvd_zoadam.shell.optimizer.ZeroOneAdamOptimizer` (or

@@ -9,7 +9,6 @@ files are :mod:`hvd_zoadam.checkpoint`'s. The one collective, in
 from __future__ import annotations
 
 import copy
-import sys
 import weakref
 
 import torch
@@ -185,17 +184,11 @@ class StateDictMixin:
 
     def state_dict(self) -> dict:
         """torch's ``state_dict`` (the schedule counters copied, so a kept state dict does not
-        move with later steps; the tensors are references, as torch's). Called by ``hvd.broadcast_optimizer_state`` before the first
-        step, it first gives every trainable parameter without a gradient a zero gradient, as
-        Horovod's function does for a fresh optimizer before its dummy ``step()`` (which
-        hvd_zoadam, whose state exists from construction, never needs). What the engine derives
+        move with later steps; the tensors are references, as torch's). What the engine derives
         from ``exp_avg_sq`` is recomputed at its next use: Horovod's broadcast writes the tensors
-        handed out without moving their version counters."""
-        if self._counters["step"] == 0 and _called_by_broadcast_optimizer_state():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
+        handed out without moving their version counters. The state exists from construction,
+        so ``hvd.broadcast_optimizer_state`` runs no dummy ``step()`` before the first step,
+        and leaves the gradients as they are (Horovod's dummy step left zeros)."""
         self._engine.derived.forget()  # the tensors handed out may be written behind torch's back
         state = super().state_dict()
         for group in state["param_groups"]:  # the counters as they are now, not a live view of them
@@ -314,13 +307,6 @@ class StateDictMixin:
         groups[0][STATE_KEY] = {"step": t, "exp_avg_sq_steps": t,
                                 "freeze_lr": float(groups[0]["lr"]) if frozen else None, ADOPT_KEY: True}
         return {"state": state, "param_groups": groups}
-
-
-def _called_by_broadcast_optimizer_state() -> bool:
-    """Whether the caller of the caller is ``horovod.torch.functions.broadcast_optimizer_state``."""
-    code = sys._getframe(2).f_code
-    return code.co_name == "broadcast_optimizer_state" and \
-        code.co_filename.replace("\\", "/").endswith("horovod/torch/functions.py")
 
 
 _registered = {}  # id(param) -> (weakref to param, weakref to the optimizer that owns it)

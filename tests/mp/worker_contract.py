@@ -76,15 +76,14 @@ def broadcast_state_no_grad(out):
                                                 transport=TRANSPORT)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    grad = optimizer.param_groups[0]['params'][1].grad
-    bgrad = hvd.broadcast(grad, root_rank=0)
+    # hvd_zoadam's state exists from construction: Horovod runs no dummy step, which would have
+    # left the trainable parameter a zero gradient; both gradients stay None
     assert optimizer.param_groups[0]['params'][0].grad is None
-    assert torch.all(torch.eq(grad, bgrad)).item()
-    was_zero = bool((grad == 0).all())
+    was_zero = optimizer.param_groups[0]['params'][1].grad is None
     # and training goes on from there
     model(torch.ones(2)).sum().backward()
     optimizer.step()
-    out["broadcast_no_grad"] = {"zero_grad_was": was_zero, "b": model.b.detach().clone()}
+    out["broadcast_no_grad"] = {"no_dummy_step": was_zero, "b": model.b.detach().clone()}
 
 
 def dynamic_requires_grad(out):

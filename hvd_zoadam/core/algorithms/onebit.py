@@ -14,7 +14,7 @@ No collectives here: the step calls ``ctx.exchange``.
 """
 from __future__ import annotations
 
-from hvd_zoadam.core import kinds
+from hvd_zoadam.core import step_math
 from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.algorithms.zeroone import variance_step
@@ -94,7 +94,7 @@ class _MomentumStep:
         g = engine.scratch_d(b.numel)
         engine.grads_into(b, g)
         buf[b.numel:].zero_()
-        kinds.local_momentum(engine.load_x(b), g, b.exp_avg, h, out=buf[:b.numel])
+        step_math.local_momentum(engine.load_x(b), g, b.exp_avg, h, out=buf[:b.numel])
 
     def consume(self, b, w) -> None:
         """m <- w (masked), then x <- x − γ·m̂/s with the frozen v (and AdamW's decay)."""
@@ -106,6 +106,6 @@ class _MomentumStep:
             b.exp_avg.mul_(mask)
             b.exchange.mask_errors(mask)
         x = engine.load_x(b)
-        kinds.frozen_adam_step(x, b.exp_avg, engine.denom(b, h), h)
+        step_math.frozen_adam_step(x, b.exp_avg, engine.denom(b, h), h)
         engine.scatter(x, b.params)
 

@@ -8,7 +8,7 @@ The four kinds of step of docs/algorithm.md §2 over each bucket's flat float32 
 * SYNC: a LOCAL step, then the 1-bit exchange of the window's update x_a − x (or
   (x_a − x)·s), from which x and m are rebuilt bitwise alike on every rank.
 
-The math is :mod:`hvd_zoadam.core.kinds` and :mod:`hvd_zoadam.native`; the schedule is
+The math is :mod:`hvd_zoadam.core.step_math` and :mod:`hvd_zoadam.native`; the schedule is
 :class:`hvd_zoadam.core.schedule.Schedule` (algorithm.md §4). No collectives here: the gradient
 exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exchange``.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hvd_zoadam.core import kinds
+from hvd_zoadam.core import step_math
 from hvd_zoadam import native
 from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
 from hvd_zoadam.core.algorithms import StepContext
@@ -85,7 +85,7 @@ class ZeroOneAdam:
 
         With ``precondition_compression`` the exchange runs on y = g/s (s = sqrt(v̂) + eps,
         identical on all ranks), clipped to |y| <= sqrt(P) / sqrt(1 − β2)
-        (:func:`hvd_zoadam.core.kinds.normalized_gradient_bound`), and the result is multiplied
+        (:func:`hvd_zoadam.core.step_math.normalized_gradient_bound`), and the result is multiplied
         back by s. Each coordinate's compression error then scales with its own s,
         and a coordinate whose gradient appears after v was last updated cannot blow up the
         scale of its block.
@@ -94,7 +94,7 @@ class ZeroOneAdam:
             return None
         k = counters["exp_avg_sq_steps"]
         h = engine.hyper(b, step, k)
-        return engine.denom(b, h), kinds.normalized_gradient_bound(h, engine.transport.world_size)
+        return engine.denom(b, h), step_math.normalized_gradient_bound(h, engine.transport.world_size)
 
     @staticmethod
     def fill_compressed(engine, b, buf, pre) -> None:
@@ -145,7 +145,7 @@ class ZeroOneAdam:
         for group in engine.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
-    def local_update(self, engine, b, h: kinds.Hyper, denom, x=None, exp_avg=None):
+    def local_update(self, engine, b, h: step_math.Hyper, denom, x=None, exp_avg=None):
         """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
         is not finite, algorithm.md §5). Returns x, float32[n], not yet scattered.
 
@@ -159,11 +159,11 @@ class ZeroOneAdam:
             if self.precondition_compression:
                 # v is frozen: bound |g|/s as Adam would once v had seen g (see compressed_pre)
                 native.clamp_by(g[:b.numel], denom,
-                                kinds.normalized_gradient_bound(h, engine.transport.world_size))
-            kinds.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
+                                step_math.normalized_gradient_bound(h, engine.transport.world_size))
+            step_math.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
         return x
 
-    def local_update_in_place(self, engine, b, h: kinds.Hyper, denom, window=None) -> bool:
+    def local_update_in_place(self, engine, b, h: step_math.Hyper, denom, window=None) -> bool:
         """:meth:`local_update` on bucket ``b`` tensor by tensor, each ``p.grad`` read where it
         is and x written into ``p`` itself: one pass per tensor (:func:`native.local_step`), no
         gather and no scatter, bitwise the same x and m. With ``window`` = (out float32[n],
@@ -173,9 +173,9 @@ class ZeroOneAdam:
         the bucket: no :meth:`Engine.own_grads`, settings the kernels leave to torch
         (:func:`native.local_step_fuses`), or a gradient that is not finite (nothing changed
         then but ``out``)."""
-        bound = (kinds.normalized_gradient_bound(h, engine.transport.world_size)
+        bound = (step_math.normalized_gradient_bound(h, engine.transport.world_size)
                  if self.precondition_compression else None)
-        scalars = {**kinds.local_step_scalars(h), "bound_factor": bound}
+        scalars = {**step_math.local_step_scalars(h), "bound_factor": bound}
         grads = engine.own_grads(b) if native.local_step_fuses(**scalars) else None
         if grads is None or (window is None and not native.all_finite_many(grads)):
             return False
@@ -269,14 +269,14 @@ def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
     for b, h, g, x in _with_gradients(ctx, k, var_update_steps):
         # Only the user's mask here: with the exact average, v == 0 after this step means every
         # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
-        kinds.variance_step(x, g, b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=ctx.engine.scratch_d(b.numel))
+        step_math.variance_step(x, g, b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=ctx.engine.scratch_d(b.numel))
 
 
 def compressed_step(ctx: StepContext, k: int) -> None:
     """COMPRESSED on every bucket, from ĝ in p.grad (the local g at P = 1)."""
     for b, h, g, x in _with_gradients(ctx, k):
         denom = ctx.engine.denom(b, h)
-        kinds.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
+        step_math.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
 
 
 def window_after(group) -> tuple[float, float]:
@@ -302,7 +302,7 @@ def fill_sync(b, x, denom, decay_product: float, buf, preconditioned: bool) -> N
     if preconditioned:  # the common case in one pass
         native.sync_prepare(x, b.anchor, decay_product, buf[:b.numel])
     else:
-        kinds.sync_prepare(x, b.anchor, denom, decay_product, buf[:b.numel], False)
+        step_math.sync_prepare(x, b.anchor, denom, decay_product, buf[:b.numel], False)
 
 
 def _bump_versions(params) -> None:
@@ -406,7 +406,7 @@ class _SyncStep:
         else:
             if group["decay_product"] != 1.0:
                 b.anchor.mul_(group["decay_product"])
-            kinds.sync_finish(x, b.anchor, b.exp_avg, self.denom(b), w, group["lr_sum"],
+            step_math.sync_finish(x, b.anchor, b.exp_avg, self.denom(b), w, group["lr_sum"],
                               self.engine.hyper(b, self.ctx.step, self.k), mask, self.preconditioned)
         self._finish(b, x, mask)
 

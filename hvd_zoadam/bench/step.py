@@ -1,0 +1,144 @@
+"""``python -m hvd_zoadam.bench step``: the optimizer step alone at P = 1 on the char LM's
+parameters, each hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)``; with
+``--count``, what one step of each kind launches (:mod:`hvd_zoadam.bench.count`)."""
+from __future__ import annotations
+
+import time
+
+from hvd_zoadam.bench import breakdown as _breakdown_mod
+
+def cmd_step(args) -> dict:
+    """The optimizer step alone at P = 1: each hvd_zoadam step kind vs AdamW(foreach=True).
+
+    ``--device cuda`` puts the model on the GPU (times end with a device synchronisation).
+    Without Horovod installed (a bare GPU machine) the optimizer gets a one-rank thread
+    transport instead: at P = 1 nothing is sent either way.
+    """
+    import torch
+
+    from hvd_zoadam import StepKind
+    lm = __import__("hvd_zoadam.bench.lm", fromlist=["_train_lm"])._train_lm()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    transport, world = _transport()
+    torch.set_num_threads(args.threads)
+
+    def model():
+        torch.manual_seed(0)
+        m = lm.CharGPT(84, 128, args.n_layer, args.n_embd, 4).to(args.device)
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 1e-2
+        return m
+
+    m = model()
+    adamw = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+    for _ in range(3):
+        adamw.step()
+    out = {"benchmark": "step", "world_size": world, "params": sum(p.numel() for p in m.parameters()),
+           "device": args.device, "threads": args.threads, "kinds": {}}
+    if args.device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    # One optimizer per kind, with a schedule that makes every timed step that kind.
+    configs = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
+               StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
+               StepKind.LOCAL: dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1,
+                                    local_step_clipper=1 << 20),
+               StepKind.SYNC: dict(var_freeze_step=1)}
+    bases = []
+    for kind, cfg in configs.items():
+        out["kinds"][kind.value] = _time_kind(args, model(), transport, cfg, adamw)
+        bases.append(out["kinds"][kind.value]["adamw_foreach_ms"] / 1e3)
+    out["adamw_foreach_ms"] = min(bases) * 1e3
+    out["target"] = "each kind <= 1.3x AdamW(foreach=True), timed alternately with it"
+    out["met"] = all(k["vs_adamw_foreach"] <= 1.3 for k in out["kinds"].values())
+    return out
+
+
+def _transport():
+    """``(transport, world size)``: Horovod's when it is installed, else one thread rank (a bare
+    GPU machine): at P = 1 nothing is sent either way."""
+    try:
+        import horovod.torch as hvd
+        hvd.init()
+        return "auto", hvd.size()
+    except ImportError:
+        from hvd_zoadam.comm.thread import ThreadGroup
+        return ThreadGroup(1).transports()[0], 1
+
+
+def _sync(device: str):
+    """What ends a timed region: a device synchronisation on CUDA, nothing on the CPU."""
+    import torch
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def _timed(step, n: int, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / n
+
+
+def _time_kind(args, m, transport, cfg: dict, adamw) -> dict:
+    """One step kind's optimizer on model ``m`` (knobs ``cfg``), timed alternately with ``adamw``,
+    best of ``--repeats``, and its breakdown."""
+    import torch
+
+    import hvd_zoadam
+    sync = _sync(args.device)
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                          named_parameters=m.named_parameters(), transport=transport, **cfg)
+    for _ in range(4):
+        opt.step()
+    seen = opt._next_kind()[1]
+    # AdamW and the kind alternate, so that a change in the machine's load hits both alike
+    pairs = [(_timed(adamw.step, args.iters, sync), _timed(opt.step, args.iters, sync)) for _ in range(args.repeats)]
+    base, t = min(b for b, _ in pairs), min(k for _, k in pairs)
+    return {"ms": t * 1e3, "adamw_foreach_ms": base * 1e3, "vs_adamw_foreach": t / base,
+            "measured_kind": seen.value, "breakdown_ms": _step_breakdown(opt, args.iters, sync)}
+
+
+def _step_breakdown(opt, iters: int, sync) -> dict:
+    """ms per ``opt.step()`` in the optimizer's own work, the kernels, packing and the transport,
+    over ``iters`` more steps timed with :class:`~hvd_zoadam.bench.breakdown.Breakdown` (after
+    the alternating timing, so that its wrappers cost that timing nothing). On CUDA a kernel's
+    time is its launch; ``sync()`` closes each step."""
+    bd = _breakdown_mod.Breakdown().install(opt.transport)
+    try:
+        for i in range(iters):
+            bd.begin_step(i + 1)
+            with bd.region("optimizer"):
+                opt.step()
+                sync()
+            bd.end_step("step")
+    finally:
+        bd.uninstall()
+    parts = _breakdown_mod.table(_breakdown_mod.split_waits([bd.to_json()]), 1)["step"]
+    return {label: 1e3 * parts[label] for label in ("wall", "optimizer", "kernels", "packing", "wire")}
+
+
+def add_parser(sub) -> None:
+    st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")
+    st.add_argument("--n-layer", type=int, default=4)
+    st.add_argument("--n-embd", type=int, default=256)
+    st.add_argument("--threads", type=int, default=1)
+    st.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    st.add_argument("--iters", type=int, default=10)
+    st.add_argument("--repeats", type=int, default=5)
+    st.add_argument("--json")
+    st.add_argument("--count", action="store_true",
+                    help="count, per step kind, the numba launches, torch ops, collectives, host syncs, allocations "
+                         "and bytes moved per parameter of one step (hvd_zoadam.bench.count), instead of timing")
+    st.add_argument("--path", choices=["cpu", "cuda-sim"], default="cpu",
+                    help="with --count: the CPU path, or the CUDA path under numba's CUDA simulator")
+    st.add_argument("--world-size", type=int, default=2, help="with --count: thread ranks")
+    st.set_defaults(run=run)
+
+
+def run(args) -> dict:
+    if args.count:
+        from hvd_zoadam.bench import count
+        return count.run(args)
+    return cmd_step(args)
