@@ -1,6 +1,6 @@
 # hvd_zoadam: the two set-up commands of the README.
 #   make demo  - sets up everything, then trains the char LM with 0/1 Adam and with Adam (2 ranks)
-#   make test  - sets up everything, then runs the test suite
+#   make test  - sets up everything, then runs the linter (ruff) and the test suite
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,6 +25,7 @@ demo: setup
 	    --png $(DEMO_DIR)/loss.png --json $(DEMO_DIR)/compare.json
 
 test: setup
+	$(VENV)/bin/ruff check hvd_zoadam native tests examples
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 clean:

@@ -183,7 +183,8 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", choices=["zoadam", "adam"], default="zoadam")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--summary", help="write the JSON summary here (rank 0)")
-    ap.add_argument("--step-log", help="append one JSON line per step here (rank 0): step, kind, lr, loss, bytes, rounds")
+    ap.add_argument("--step-log",
+                    help="append one JSON line per step here (rank 0): step, kind, lr, loss, bytes, rounds")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=60, help="LR warm-up steps")
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -326,7 +327,8 @@ def main(argv=None):
                  "transport": "horovod allreduce", "world_size": world}
     # where the ranks ran (hostname, network namespace inode): shows a multi-host launch really spread out
     placement = hvd.allgather_object({"hostname": socket.gethostname(),
-                                      "netns": os.stat("/proc/self/ns/net").st_ino if os.path.exists("/proc/self/ns/net") else None})
+                                      "netns": (os.stat("/proc/self/ns/net").st_ino
+                                                if os.path.exists("/proc/self/ns/net") else None)})
     summary = {"optimizer": args.optimizer, "world_size": world, "steps": args.steps, "device": device,
                "placement": placement,
                "params": n_params, "final_train_loss": final_train, "final_val_loss": val_curve[-1][1],

@@ -116,7 +116,8 @@ def main(argv=None) -> None:
             import numba
             stats = opt.comm_stats()
             out.update(bytes_vs_adam=round(stats["bytes_sent_total"] / stats["adam_equivalent_bytes"], 4),
-                       steps_by_kind={kind: stats[kind]["steps"] for kind in ("variance", "compressed", "local", "sync")},
+                       steps_by_kind={kind: stats[kind]["steps"]
+                                      for kind in ("variance", "compressed", "local", "sync")},
                        kernel_threads=numba.get_num_threads())
         print(json.dumps(out), flush=True)
     dist.barrier()

@@ -28,8 +28,10 @@ import torch
 
 from . import cpu, reference
 
-__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite", "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused", "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress", "server_reduce",
-           "decompress", "decompress_momentum", "decompress_sync", "reference"]
+__all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite",
+           "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused",
+           "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress",
+           "server_reduce", "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
 
 def threads_per_rank(ranks_per_host: int) -> int:
@@ -472,7 +474,8 @@ def _decompress_sync_into(packed, all_server_scales, plan: Plan, params, **kw) -
     if plan.numel:
         mask = kw["mask"]
         cpu.decompress_sync(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
-                            kw["anchor"].numpy(), [(p.detach().view(-1).numpy(), int(o)) for p, o in zip(params, starts)],
+                            kw["anchor"].numpy(),
+                            [(p.detach().view(-1).numpy(), int(o)) for p, o in zip(params, starts)],
                             kw["exp_avg"].numpy(), kw["denom"].numpy(),
                             _NO_MASK if mask is None else mask.numpy(), float(kw["decay_product"]),
                             float(kw["factor"]), bool(kw["preconditioned"]))

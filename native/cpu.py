@@ -12,7 +12,8 @@ How they reach memory speed on one core:
 * Work is cut into blocks of ``BLOCK`` elements that stay in L1. Per segment piece
   of a block, one branch-free loop computes z once, writes its sign as a byte to a
   block-local scratch and updates the error; the block's bytes of bits are then
-  assembled 8 at a time (MSB first, algorithm.md §3) by one multiplication each (:func:`_pack8`). The inputs cross memory once per pass.
+  assembled 8 at a time (MSB first, algorithm.md §3) by one multiplication each
+  (:func:`_pack8`). The inputs cross memory once per pass.
   (An earlier version packed 64 signs into a uint64 in a segment-agnostic loop and
   recomputed z for the error update: 1.45x slower.)
 * The worker side runs in one pass over memory when no segment is longer than

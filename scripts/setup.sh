@@ -3,7 +3,7 @@
 #   - Debian's OpenMPI (openmpi-bin, libopenmpi-dev), cmake 3.x, g++, and Python's headers and venv
 #     module where missing (pythonX.Y-dev, pythonX.Y-venv)
 #   - a .venv in the repository root
-#   - torch (the installed one if any, else torch==2.13.0), numba, mpi4py, test and demo deps
+#   - torch (the installed one if any, else torch==2.13.0), numba, mpi4py, ruff, test and demo deps
 #   - Horovod 0.28.1 built with PyTorch, Gloo and MPI, patched to C++17; the built
 #     wheel is cached in $HVD_ZOADAM_WHEEL_CACHE (default ~/.cache/hvd_zoadam/wheels)
 #   - pip install -e .
@@ -68,10 +68,11 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
 fi
 
 # 4. Python deps (numba, mpi4py, tests, demo).
-if ! "$VPY" -c 'import numba, mpi4py, pytest, hypothesis, tqdm, matplotlib, psutil, cloudpickle, tensorboard, sklearn' >/dev/null 2>&1; then
-  log "installing numba, mpi4py and test/demo dependencies"
+if ! "$VPY" -c 'import numba, mpi4py, pytest, hypothesis, tqdm, matplotlib, psutil, cloudpickle, tensorboard, sklearn' >/dev/null 2>&1 \
+    || [ ! -x "$VENV/bin/ruff" ]; then
+  log "installing numba, mpi4py, ruff and test/demo dependencies"
   "$PIP" install -q -c "$CONSTRAINTS" 'numba>=0.60' mpi4py pytest pytest-timeout hypothesis tqdm matplotlib tensorboard \
-      scikit-learn 'cmake<4' packaging psutil cloudpickle pyyaml cffi
+      scikit-learn 'cmake<4' packaging psutil cloudpickle pyyaml cffi ruff
 fi
 # bench network's DiLoCo runs (h) use torchft (a benchmark dependency, not the library's)
 if ! "$VPY" -c 'import torchft' >/dev/null 2>&1; then

@@ -14,8 +14,8 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from hvd_zoadam.core.layout import padded_numel
 from hvd_zoadam.comm.thread import ThreadGroup
+from hvd_zoadam.core.layout import padded_numel
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -51,7 +51,8 @@ def run_job(launcher: str, np_: int, argv: list[str], timeout_s: int = JOB_TIMEO
     return run_cmd(launch_cmd(launcher, np_, argv), timeout_s, env, check)
 
 
-def run_cmd(cmd: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None, check: bool = True) -> subprocess.CompletedProcess:
+def run_cmd(cmd: list[str], timeout_s: int = JOB_TIMEOUT_S, env=None,
+            check: bool = True) -> subprocess.CompletedProcess:
     """Run a launcher command line in the repository root; fail the test (not hang) past ``timeout_s``.
     ``env``: variables to set on top of the test's defaults; a value None unsets one."""
     full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",

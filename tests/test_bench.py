@@ -14,10 +14,9 @@ import threading
 import pytest
 
 from conftest import BIN, ROOT, run_cmd, run_job
-
+from hvd_zoadam.bench.lm import cores_used, thread_cpu_seconds
 from hvd_zoadam.bench.model import step_time
 from hvd_zoadam.bench.network import DEFAULT_RUNS, _horovod_env_flags, _rate_report
-from hvd_zoadam.bench.lm import cores_used, thread_cpu_seconds
 
 
 def bench(*args, timeout_s=600):
@@ -29,8 +28,8 @@ def bench(*args, timeout_s=600):
 def test_bench_network_runs_every_system_and_reports(tmp_path):
     png = tmp_path / "n.png"
     rep = bench("network", "--rate", "1gbit", "--steps", "8", "--warmup", "3", "--skip", "1", "--png", str(png),
-                "--eval-every", "4", "--breakdown", "--runs", ",".join([*DEFAULT_RUNS, "compute-horovod", "compute-lockstep",
-                                                                    "zoadam-mpi"]),
+                "--eval-every", "4", "--breakdown", "--runs",
+                ",".join([*DEFAULT_RUNS, "compute-horovod", "compute-lockstep", "zoadam-mpi"]),
                 "--model-args", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
                 "--batch-size", "4", "--var-update-scaler", "1", "--local-step-clipper", "2")
     runs = {r["run"]: r for r in rep["rates"]["1gbit"]["runs"]}
@@ -148,7 +147,8 @@ def test_bench_network_repeats_the_runs_in_turn_and_reports_medians():
     for r in rate["repeats"]:  # each repetition's ratio is its own runs' (a fresh work directory each)
         runs = {x["run"]: x for x in r["runs"]}
         assert all(x["ok"] for x in runs.values()) and list(runs) == ["zoadam", "compute"]
-        assert r["ratios"]["zoadam_steps_per_s_vs_compute"] == runs["zoadam"]["steps_per_s"] / runs["compute"]["steps_per_s"]
+        assert r["ratios"]["zoadam_steps_per_s_vs_compute"] == \
+            runs["zoadam"]["steps_per_s"] / runs["compute"]["steps_per_s"]
     assert rate["ratios"]["zoadam_steps_per_s_vs_compute"] == pytest.approx(sum(each) / 2)  # the median of two
     assert rate["spread"]["zoadam_steps_per_s_vs_compute"]["values"] == each
     assert rate["runs"] == rate["repeats"][0]["runs"]
@@ -171,7 +171,8 @@ def test_repeated_runs_give_each_ratios_median_and_spread_paired_within_a_repeti
     assert rep["spread"]["steps_per_s:zoadam"]["values"] == [1.8, 0.95, 3.0]
     assert rep["runs"] is repeats[0] and [r["runs"] for r in rep["repeats"]] == repeats
     # a run that failed in one repetition: no median over fewer values, for its ratios or its steps/s
-    repeats[1][1] = {"run": "compute", "label": "compute", "ok": False, "error": "exit 1", "wire_bytes_sent_per_rank": 0}
+    repeats[1][1] = {"run": "compute", "label": "compute", "ok": False, "error": "exit 1",
+                     "wire_bytes_sent_per_rank": 0}
     rep = _rate_report(repeats)
     assert "zoadam_steps_per_s_vs_compute" not in rep["spread"] and "steps_per_s:compute" not in rep["spread"]
     assert "zoadam_steps_per_s_vs_compute" not in rep["ratios"]
@@ -301,8 +302,9 @@ def test_bench_kernels_reports_each_kernel_against_copy():
 
 
 def test_provenance_names_the_commit_the_command_and_the_machine(tmp_path):
-    from hvd_zoadam.bench import provenance
     import torch
+
+    from hvd_zoadam.bench import provenance
     plain = provenance(["step", "--iters", "2"], root=tmp_path)  # not a git checkout (an installed package)
     assert plain["commit"] is None and plain["command"] == "python -m hvd_zoadam.bench step --iters 2"
     assert plain["cores"] == os.cpu_count() and plain["torch"] == torch.__version__
@@ -366,7 +368,8 @@ def test_bench_lm_compression_fp16_halves_only_the_variance_steps_bytes(tmp_path
     assert reports["fp16"]["config"]["compression"] == "fp16" and reports["fp16"]["kinds"]["variance"] == 2
     # the averages halve; the 4-byte "gradients changed?" flags (at most one a step) do not
     assert fp32["variance"] > 1000 and 0 <= 2 * fp16["variance"] - fp32["variance"] <= 4 * 2
-    assert {k: fp16[k] for k in ("compressed", "local", "sync")} == {k: fp32[k] for k in ("compressed", "local", "sync")}
+    assert {k: fp16[k] for k in ("compressed", "local", "sync")} == \
+        {k: fp32[k] for k in ("compressed", "local", "sync")}
     # --overlap off hands overlap=False to the optimizer: no exchange starts from the hooks, so no
     # "gradients changed?" flag is sent; the exchanges themselves are the same bytes
     out = tmp_path / "no-overlap.json"

@@ -94,7 +94,8 @@ def test_scaling_reports_flat_and_two_level_rows_with_the_formulas_bytes(tmp_pat
                 row["val_loss"] / by_variant["adam"]["val_loss"] - 1, abs=1e-12)
     two = rows["16"]["two-level"]
     assert 0 < two["between_nodes_per_rank"] < two["bytes_per_rank"]
-    assert two["between_nodes_vs_adam"] == pytest.approx(two["between_nodes_per_rank"] / rows["16"]["adam"]["bytes_per_rank"])
+    assert two["between_nodes_vs_adam"] == pytest.approx(
+        two["between_nodes_per_rank"] / rows["16"]["adam"]["bytes_per_rank"])
 
 
 @pytest.mark.timeout(600)
@@ -116,6 +117,7 @@ def test_the_gru_workloads_model_is_torchs_gru_and_reads_the_stdlib():
     """CharGRU's written-out recurrence equals ``torch.nn.GRU`` (two layers, batch_first) with
     the same weights, to float32 rounding; the corpus is ASCII codes of Python source."""
     import torch
+
     from hvd_zoadam.bench.workloads import CharGRU, stdlib_corpus
     torch.manual_seed(0)
     model = CharGRU(128, 24, 2)
@@ -196,6 +198,7 @@ def _stub_training(monkeypatch, stop_at):
     """``convergence``'s workload and training replaced by stubs: each row is {"val_loss": P,
     "bytes_per_rank": 8.0}, and the row ``stop_at`` = (P, name) raises KeyboardInterrupt."""
     import torch
+
     from hvd_zoadam.bench import convergence
     from hvd_zoadam.bench.workloads import Workload
     work = Workload(model=torch.nn.Linear(2, 2), batch=None, loss=None, val_batches=[], lr_fn=None)
@@ -213,6 +216,7 @@ def test_convergence_and_scaling_keep_their_finished_rows_in_the_json(tmp_path, 
     """A convergence run stopped after Adam's row keeps that row in its --json; a scaling run
     stopped inside its second P keeps the first P's rows (the training is stubbed)."""
     import argparse
+
     import torch
     out = tmp_path / "partial.json"
     convergence = _stub_training(monkeypatch, (2, "zoadam"))

@@ -12,7 +12,6 @@ from conftest import load_ranks, run_job, run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import Schedule, StepKind  # noqa: E402
 from hvd_zoadam.checkpoint import atomic_save  # noqa: E402

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import hvd_zoadam
+from conftest import run_threads
 from hvd_zoadam.comm.thread import ThreadGroup
 from hvd_zoadam.core.schedule import NEVER, AutoFreeze, Schedule, StepKind
 from hvd_zoadam.oracle.simulate import simulate_zoadam
 from hvd_zoadam.shell.options import auto_scale_block_numel, auto_var_update_scaler, resolve_schedule
-from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402

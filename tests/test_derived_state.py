@@ -8,11 +8,11 @@ from __future__ import annotations
 import copy
 
 import torch
+from test_masks import KNOBS, TinyLM, common  # tokens 10..19 never occur: v stays 0 on those rows
 
 import hvd_zoadam
 from conftest import run_threads
 from hvd_zoadam.core import step_math
-from test_masks import KNOBS, TinyLM, common  # tokens 10..19 never occur: v stays 0 on those rows
 
 
 def make(transport, **kw):

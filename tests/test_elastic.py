@@ -16,10 +16,9 @@ import stat
 import sys
 from collections import defaultdict
 
-from conftest import BIN, ROOT, run_cmd
-
 import torch
 
+from conftest import BIN, ROOT, run_cmd
 from hvd_zoadam import padded_numel
 
 STEPS, GROW_AT = 30, 8

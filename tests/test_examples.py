@@ -7,7 +7,6 @@ import sys
 
 from conftest import ROOT, run_job
 
-
 TRAIN_LM_SHORT = ["--steps", "12", "--warmup", "4", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
               "--block-size", "32", "--batch-size", "4", "--eval-interval", "6", "--eval-batches", "2",
               "--var-freeze-step", "8", "--var-update-scaler", "1", "--local-step-policy", "steps",
@@ -94,7 +93,8 @@ def test_train_lm_under_torchrun_equals_the_horovodrun_run(tmp_path):
                 timeout_s=180)
         runs[launcher] = json.loads(out.read_text())
     h, t = runs["gloo"], runs["torchrun"]
-    assert t["comm_stats"]["transport"] == "torch.distributed (gloo)" and h["comm_stats"]["transport"].startswith("gloo")
+    assert t["comm_stats"]["transport"] == "torch.distributed (gloo)" and \
+        h["comm_stats"]["transport"].startswith("gloo")
     assert t["final_val_loss"] == h["final_val_loss"] and t["val_curve"] == h["val_curve"]
     assert t["comm_stats"]["bytes_sent_total"] == h["comm_stats"]["bytes_sent_total"]
     assert t["kinds"] == h["kinds"]

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import hvd_zoadam
-from hvd_zoadam import StepKind
 from conftest import run_threads
+from hvd_zoadam import StepKind
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
@@ -142,8 +141,8 @@ def test_half_precision_models_train_with_fp32_internals(dtype):
             torch.manual_seed(3)
             model = torch.nn.Linear(32, 8).to(dt)
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), transport=transport,
-                                              var_freeze_step=2, var_update_scaler=1, local_step_policy="steps", local_step_scaler=2,
-                                              local_step_clipper=2)
+                                              var_freeze_step=2, var_update_scaler=1, local_step_policy="steps",
+                                              local_step_scaler=2, local_step_clipper=2)
         gen = torch.Generator().manual_seed(rank)
         x, y = torch.randn(64, 32, generator=gen), torch.randn(64, 8, generator=gen)
         for _ in range(10):
@@ -263,8 +262,8 @@ def test_a_sync_steps_exchange_starts_in_backward_and_a_late_change_is_exchanged
                     for group in opt.param_groups:
                         group["lr"] = group["lr"] * 0.5
                 opt.step()
-        return ([q.detach().clone() for q in model.parameters()], during_backward, len(opt._buckets), opt._warned_changed,
-                opt.comm_stats()["skipped_steps"])
+        return ([q.detach().clone() for q in model.parameters()], during_backward, len(opt._buckets),
+                opt._warned_changed, opt.comm_stats()["skipped_steps"])
 
     early = run_threads(2, lambda r, tr: body(r, tr, True))
     plain = run_threads(2, lambda r, tr: body(r, tr, False))
@@ -404,7 +403,8 @@ def test_a_mismatch_names_the_odd_ranks_both_sides_of_a_tie_and_a_late_set_itera
         _mismatch_message("B", [(5, 5), (5, 5), (5, 6)])
     assert "rank 0 at iteration 6, rank 1 at iteration 5, all at optimizer step 5" in \
         _mismatch_message("B", [(5, 6), (5, 5)])
-    assert _mismatch_message("B", [(5, None), (6, None), (5, None)]) == "B (rank 1 at step 6, the other ranks at step 5)"
+    assert _mismatch_message("B", [(5, None), (6, None), (5, None)]) == \
+        "B (rank 1 at step 6, the other ranks at step 5)"
     # every rank began the step announcing the same: set_iteration() came between the hooks and step()
     assert "call set_iteration() before backward()" in _mismatch_message("B", [(5, 3), (5, 3)])
 

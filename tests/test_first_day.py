@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import hvd_zoadam
+from conftest import load_ranks, run_job, run_threads
 from hvd_zoadam.comm.select import launcher_ranks_on_this_host
 from hvd_zoadam.comm.thread import ThreadGroup
-from conftest import load_ranks, run_job, run_threads
 
 
 @pytest.fixture(scope="module", params=["torchrun", "gloo"])
@@ -124,8 +124,8 @@ def test_launcher_ranks_per_host_from_each_launchers_environment():
 def test_different_parameters_are_refused_on_every_rank_and_equal_ones_train(seeds):
     def body(rank, transport):
         net = two_layers(seeds[rank])
-        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()), named_parameters=net.named_parameters(),
-                                              transport=transport)
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()),
+                                              named_parameters=net.named_parameters(), transport=transport)
         loss(net, 1, rank).backward()
         try:
             opt.step()
@@ -147,7 +147,8 @@ def test_a_rank_without_backward_raises_naming_itself(overlap, at):
     collective of the step (its launcher then ends the job)."""
     def body(rank, transport):
         net = two_layers(0)
-        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()), named_parameters=net.named_parameters(),
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()),
+                                              named_parameters=net.named_parameters(),
                                               transport=transport, overlap=overlap)
         for t in range(1, at + 1):
             opt.zero_grad()
@@ -178,7 +179,8 @@ def test_a_parameter_frozen_after_construction_stays_still_and_keeps_its_state()
     that layer's gradient at zero, and the frozen layer and its m, v and anchor do not move."""
     net = two_layers(3)
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.05),
-                                          named_parameters=net.named_parameters(), transport=ThreadGroup(1).transports()[0],
+                                          named_parameters=net.named_parameters(),
+                                          transport=ThreadGroup(1).transports()[0],
                                           var_freeze_step=4, var_update_scaler=1, local_step_clipper=2,
                                           local_step_policy="constant")
     kinds = []
@@ -198,7 +200,8 @@ def test_a_parameter_frozen_after_construction_stays_still_and_keeps_its_state()
     with pytest.raises(ValueError, match="requires_grad=False when the optimizer was built"):
         net2 = two_layers(1)
         net2[0].weight.requires_grad_(False)
-        opt2 = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net2.parameters()), named_parameters=net2.named_parameters(),
+        opt2 = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net2.parameters()),
+                                               named_parameters=net2.named_parameters(),
                                                transport=ThreadGroup(1).transports()[0])
         net2[0].weight.requires_grad_(True)
         loss(net2, 1, 0).backward()
@@ -227,6 +230,7 @@ def test_no_warning_of_torchs_at_construction_under_torch_distributed(tmp_path):
     """The check for a DistributedDataParallel wrapper scans live objects without reading their
     attributes (torch.distributed.reduce_op warns when read)."""
     import torch.distributed as dist
+
     import hvd_zoadam.distributed as zd
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -259,13 +263,15 @@ def test_horovods_names_parameter_names_and_num_groups():
     net = two_layers(0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()), named_parameters=net.named_parameters(),
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()),
+                                              named_parameters=net.named_parameters(),
                                               num_groups=2, transport=ThreadGroup(1).transports()[0])
     assert any(issubclass(w.category, DeprecationWarning) and "num_groups" in str(w.message) for w in seen)
     assert opt._parameter_names == {p: n for n, p in net.named_parameters()}
     net = two_layers(0)
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(net.parameters()), named_parameters=net.named_parameters(),
-                                          groups=[[net[0].weight, net[0].bias]], transport=ThreadGroup(1).transports()[0])
+                                          groups=[[net[0].weight, net[0].bias]],
+                                          transport=ThreadGroup(1).transports()[0])
     loss(net, 1, 0).backward()
     opt.step()
     net = two_layers(0)

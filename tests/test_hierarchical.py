@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_zoadam.comm.hierarchical import HierarchicalExchange
-from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
-from hvd_zoadam.comm.protocol import Exchange, StepMismatchError
-from hvd_zoadam.oracle.simulate import simulate_hierarchical_allreduce
 from conftest import run_threads
+from hvd_zoadam.comm.hierarchical import HierarchicalExchange
+from hvd_zoadam.comm.protocol import Exchange, StepMismatchError
+from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
+from hvd_zoadam.oracle.simulate import simulate_hierarchical_allreduce
 
 TOPOLOGIES = [(2, 1), (1, 2), (2, 2), (3, 2), (2, 3), (2, 4), (4, 2)]  # (nodes, ranks per node)
 
@@ -190,7 +190,6 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import Schedule  # noqa: E402
 from hvd_zoadam.oracle.simulate import simulate_zoadam  # noqa: E402

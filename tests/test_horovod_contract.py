@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import hvd_zoadam
+from conftest import load_ranks, run_job, run_threads
 from hvd_zoadam.comm.protocol import CollectiveNames
 from hvd_zoadam.comm.thread import ThreadGroup
-from conftest import load_ranks, run_job, run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402

@@ -20,16 +20,18 @@ from conftest import load_ranks, run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 
-import common  # noqa: E402
-from test_multiprocess import (test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep,  # noqa: E402,F401
-                               test_all_variance_steps_equal_horovod_adam,
-                               test_comm_stats_count_bytes_by_the_documented_formulas,
-                               test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
-                               test_compressed_allreduce_matches_simulation_bitwise,
-                               test_non_finite_input_raises_on_every_rank_and_leaves_buffers,
-                               test_overlap_with_backward_gives_the_same_parameters,
-                               test_training_matches_simulation_and_syncs_are_bitwise)
+from test_multiprocess import (  # noqa: E402,F401
+    test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep,
+    test_all_variance_steps_equal_horovod_adam,
+    test_comm_stats_count_bytes_by_the_documented_formulas,
+    test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
+    test_compressed_allreduce_matches_simulation_bitwise,
+    test_non_finite_input_raises_on_every_rank_and_leaves_buffers,
+    test_overlap_with_backward_gives_the_same_parameters,
+    test_training_matches_simulation_and_syncs_are_bitwise,
+)
 
+import common  # noqa: E402
 from hvd_zoadam import Schedule, padded_numel  # noqa: E402
 from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
 
@@ -64,7 +66,8 @@ def mpi_job(request, tmp_path_factory):
 from test_hierarchical import (  # noqa: E402,F401
     test_mpi_ranks_that_disagree_on_hierarchical_fail_at_construction_on_every_rank,
     test_mpi_training_runs_equal_the_simulation_flat_and_two_level,
-    test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula)
+    test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula,
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,8 @@ def test_a_sub_communicator_trains_alone_and_equals_the_simulation(mpi_ranks):
                              world_size=2, steps=common.TRAIN_STEPS, schedule=Schedule(**common.TRAIN),
                              lr_fn=lambda t: common.LR, weight_decay=0.01, decoupled=True)
     n = 1000
-    we, se = [torch.zeros(padded_numel(n, 2)) for _ in range(2)], [torch.zeros(padded_numel(n, 2) // 2) for _ in range(2)]
+    we, se = ([torch.zeros(padded_numel(n, 2)) for _ in range(2)],
+              [torch.zeros(padded_numel(n, 2) // 2) for _ in range(2)])
     car = simulate_compressed_allreduce([common.car_input(n, r, 0) for r in range(2)], we, se)
     assert mpi_ranks[1]["sub"] is None
     for r in (0, 2):

@@ -11,11 +11,10 @@ from conftest import load_ranks, run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
-
 from hvd_zoadam import Schedule, StepKind, padded_numel  # noqa: E402
-from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
-from hvd_zoadam.core.layout import segment_offsets  # noqa: E402
 from hvd_zoadam.comm.protocol import chunk_pieces  # noqa: E402
+from hvd_zoadam.core.layout import segment_offsets  # noqa: E402
+from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce, simulate_zoadam  # noqa: E402
 
 # (launcher, ranks, transport argument, the transport it must resolve to). Under MPI both
 # transports run at P = 2, 3, 4, under Gloo both at P = 2; each must equal the in-process
@@ -108,7 +107,8 @@ def test_training_matches_simulation_and_syncs_are_bitwise(job):
                 for r in range(1, p):
                     assert all(torch.equal(a, b) for a, b in zip(per_rank[r][t]["params"], per_rank[0][t]["params"])), \
                         (key, t, r)
-                    assert all(torch.equal(a, b) for a, b in zip(per_rank[r][t]["exp_avg"], per_rank[0][t]["exp_avg"])), \
+                    assert all(torch.equal(a, b)
+                               for a, b in zip(per_rank[r][t]["exp_avg"], per_rank[0][t]["exp_avg"])), \
                         (key, t, r)
         assert syncs >= 4
         for r in range(p):
@@ -152,8 +152,8 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
 
 def test_overlap_with_backward_gives_the_same_parameters(job):
     """The hooks start VARIANCE allreduces, COMPRESSED steps' worker side and round 1, and SYNC
-    steps' local update, worker side and round 1 early, and the 1-bit exchanges pipeline the buckets; with several buckets the result equals
-    overlap=False bit for bit, on every rank."""
+    steps' local update, worker side and round 1 early, and the 1-bit exchanges pipeline the
+    buckets; with several buckets the result equals overlap=False bit for bit, on every rank."""
     p, ranks = job
     for r in ranks:
         on, off = r["overlap"][True], r["overlap"][False]

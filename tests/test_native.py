@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ROOT, bucket_cases, run_cmd, server_inputs
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import padded_numel, segment_offsets
 from hvd_zoadam.native import reference
-from conftest import ROOT, bucket_cases, run_cmd, server_inputs
 
 
 def test_bits_are_msb_first_and_both_zeros_are_plus_one():

@@ -25,8 +25,8 @@ TINY = ["--steps", "6", "--warmup", "2", "--n-layer", "1", "--n-embd", "32", "--
 
 
 def netsim(hosts: int, rate: str, tag: str, script: str, timeout_s: int = 240):
-    return run_cmd([sys.executable, "-m", "hvd_zoadam.bench.netsim", "--hosts", str(hosts), "--rate", rate, "--tag", tag,
-                    "--", "sh", "-c", script], timeout_s=timeout_s, check=False)
+    return run_cmd([sys.executable, "-m", "hvd_zoadam.bench.netsim", "--hosts", str(hosts), "--rate", rate,
+                    "--tag", tag, "--", "sh", "-c", script], timeout_s=timeout_s, check=False)
 
 
 def leftover(tag: str) -> list[str]:

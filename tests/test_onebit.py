@@ -11,7 +11,6 @@ from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import checkpoint  # noqa: E402
 from hvd_zoadam.oracle.simulate import simulate_onebit  # noqa: E402

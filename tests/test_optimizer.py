@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import hvd_zoadam
-from hvd_zoadam import Schedule, StepKind
-from hvd_zoadam.oracle.simulate import simulate_zoadam
-from hvd_zoadam.comm.thread import ThreadGroup
 from conftest import run_threads
+from hvd_zoadam import Schedule, StepKind
+from hvd_zoadam.comm.thread import ThreadGroup
+from hvd_zoadam.oracle.simulate import simulate_zoadam
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
@@ -127,6 +127,7 @@ def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits
     version counter as torch's in-place ops would (one tensor a call, as torch before 2.5
     requires)."""
     import threading
+
     from hvd_zoadam import native
     from hvd_zoadam.core.engine import Engine
     if not native.local_step_fused(torch.zeros(1)):
@@ -179,8 +180,10 @@ def test_a_beta1_the_kernels_leave_to_torch_takes_the_gathered_path(beta1, monke
     def run():
         def body(rank, transport):
             model = common.mlp()
-            opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR, betas=(beta1, 0.999)),
-                                                  named_parameters=model.named_parameters(), transport=transport, **KNOBS)
+            opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=common.LR,
+                                                                   betas=(beta1, 0.999)),
+                                                  named_parameters=model.named_parameters(),
+                                                  transport=transport, **KNOBS)
             seen = set()
             for t in range(1, 27):
                 opt.zero_grad()
@@ -347,7 +350,8 @@ def test_state_dict_round_trip_resumes_exactly_and_keeps_the_schedule():
     torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
-    assert not any(isinstance(v, (hvd_zoadam.comm.transport.Transport,)) for v in ckpt["opt"]["param_groups"][0].values())
+    assert not any(isinstance(v, (hvd_zoadam.comm.transport.Transport,))
+                   for v in ckpt["opt"]["param_groups"][0].values())
     model_c = common.mlp()
     opt_c = make(model_c, solo())
     model_c.load_state_dict(ckpt["model"])
@@ -609,8 +613,8 @@ def test_a_replaced_or_resized_parameter_is_refused_by_name():
     """A parameter replaced by, or resized to, another shape is refused by name: never use a buffer of the
     old length."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
-                                          transport=solo())
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                          named_parameters=model.named_parameters(), transport=solo())
     model(torch.ones(1, 4)).sum().backward()
     opt.step()
     model[0].weight = torch.nn.Parameter(torch.randn(5, 4))
@@ -626,7 +630,8 @@ def test_a_replaced_or_resized_parameter_is_refused_by_name():
 
 
 def test_two_optimizers_over_one_model():
-    """Two optimizers over disjoint parts of one model work; a part left un-stepped fails at the next backward naming the parameter."""
+    """Two optimizers over disjoint parts of one model work; a part left un-stepped fails at the next backward
+    naming the parameter."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt_a = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model[0].parameters()),
                                             named_parameters=model[0].named_parameters(prefix="a"), transport=solo())
@@ -740,7 +745,8 @@ def test_step_log_writes_one_json_line_per_step(tmp_path):
         assert [x["kind"] for x in lines[:6]] == ["variance", "variance", "compressed", "variance", "compressed",
                                                   "variance"]
         assert all(isinstance(x["loss"], float) and x["lr"] == common.LR and x["skipped"] is False for x in lines)
-        assert lines[-1]["bytes_sent"] == stats[r]["bytes_sent_total"] and lines[-1]["rounds"] == stats[r]["rounds_total"]
+        assert lines[-1]["bytes_sent"] == stats[r]["bytes_sent_total"] and \
+            lines[-1]["rounds"] == stats[r]["rounds_total"]
         assert all(a["bytes_sent"] <= b["bytes_sent"] for a, b in zip(lines, lines[1:]))
 
 

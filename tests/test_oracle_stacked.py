@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments
 from hvd_zoadam.core.schedule import Schedule, StepKind
-from hvd_zoadam.oracle.simulate import (simulate_compressed_allreduce, simulate_hierarchical_allreduce,
-                                        simulate_zoadam)
+from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce, simulate_hierarchical_allreduce, simulate_zoadam
 from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked
 
 

@@ -27,9 +27,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_threads
-
 import hvd_zoadam
+from conftest import run_threads
 from hvd_zoadam import checkpoint
 from hvd_zoadam.comm.protocol import NonFiniteError, compressed_allreduce
 from hvd_zoadam.comm.thread import ThreadGroup
@@ -184,7 +183,8 @@ def test_compressed_allreduce_gives_the_oracle_or_a_named_error_on_both_ranks(ca
         return
     assert finite  # a NaN or Inf always makes a non-finite scale
     for rank, (out, w, s) in enumerate(got):
-        assert out.dtype == xs[rank].dtype and out.shape == (xs[rank].transpose(0, -1) if transposed else xs[rank]).shape
+        assert out.dtype == xs[rank].dtype and \
+            out.shape == (xs[rank].transpose(0, -1) if transposed else xs[rank]).shape
         assert torch.equal(out.reshape(-1), want.to(out.dtype)), rank
         assert torch.equal(w, we[rank]) and torch.equal(s, se[rank]), rank
 

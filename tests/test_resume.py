@@ -4,11 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_threads
-
 import hvd_zoadam
-from hvd_zoadam.bench import resume as _bench_resume
+from conftest import run_threads
 from hvd_zoadam import checkpoint
+from hvd_zoadam.bench import resume as _bench_resume
 from hvd_zoadam.bench.cli import main as bench_main
 
 

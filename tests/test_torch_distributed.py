@@ -21,14 +21,16 @@ from conftest import load_ranks, run_job
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 
-from test_multiprocess import (test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep,  # noqa: E402,F401
-                               test_all_variance_steps_equal_horovod_adam,
-                               test_comm_stats_count_bytes_by_the_documented_formulas,
-                               test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
-                               test_compressed_allreduce_matches_simulation_bitwise,
-                               test_non_finite_input_raises_on_every_rank_and_leaves_buffers,
-                               test_overlap_with_backward_gives_the_same_parameters,
-                               test_training_matches_simulation_and_syncs_are_bitwise)
+from test_multiprocess import (  # noqa: E402,F401
+    test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep,
+    test_all_variance_steps_equal_horovod_adam,
+    test_comm_stats_count_bytes_by_the_documented_formulas,
+    test_compressed_allreduce_half_inputs_keep_dtype_and_agree,
+    test_compressed_allreduce_matches_simulation_bitwise,
+    test_non_finite_input_raises_on_every_rank_and_leaves_buffers,
+    test_overlap_with_backward_gives_the_same_parameters,
+    test_training_matches_simulation_and_syncs_are_bitwise,
+)
 
 import hvd_zoadam.distributed as zd  # noqa: E402
 from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport  # noqa: E402
@@ -65,7 +67,8 @@ def mpi_job(request, tmp_path_factory):
 from test_hierarchical import (  # noqa: E402,F401
     test_mpi_ranks_that_disagree_on_hierarchical_fail_at_construction_on_every_rank,
     test_mpi_training_runs_equal_the_simulation_flat_and_two_level,
-    test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula)
+    test_mpi_two_level_exchange_equals_the_oracle_and_counts_the_formula,
+)
 
 
 def test_a_stalled_peer_raises_collective_timeout_naming_the_collective():

@@ -69,6 +69,7 @@ class _TwoRanks:
 
 def test_a_group_that_cannot_be_made_is_refused_naming_the_interface_and_the_fix(gloo_controller):
     import torch
+
     import hvd_zoadam.comm.gloo as gloo
 
     def refused(transport):

@@ -183,7 +183,8 @@ def worker(args) -> None:
             checkpoint.save(str(ckpt / f"s{t:07d}"), model, opt, step=t, scheduler=sched.state_dict())
         if rank == 0:
             print(f"chaos: step {t}", flush=True)
-    checkpoint.atomic_save([p.detach().clone() for p in model.parameters()], str(Path(args.dir) / f"final.rank{rank}.pt"))
+    checkpoint.atomic_save([p.detach().clone() for p in model.parameters()],
+                           str(Path(args.dir) / f"final.rank{rank}.pt"))
     if rank == 0:
         x, y = _batch(0, 10_000, n=2048)
         with torch.no_grad():
@@ -265,7 +266,8 @@ def _link(net, fault: dict, down: bool) -> None:
     if fault["kind"] == "link-down":
         subprocess.run(["ip", "-n", net.bridge_ns, "link", "set", f"h{k}", "down" if down else "up"], check=True)
         return
-    rate, limit = (["2mbit", "ceil", "2mbit", "quantum", "1514"], "4") if down else ([net.rate, "ceil", net.rate], "1000")
+    rate, limit = ((["2mbit", "ceil", "2mbit", "quantum", "1514"], "4") if down
+                   else ([net.rate, "ceil", net.rate], "1000"))
     for ns, dev in ((net.namespaces[k - 1], "zeth0"), (net.bridge_ns, f"h{k}")):
         tc = ["ip", "netns", "exec", ns, "tc"]
         subprocess.run([*tc, "class", "change", "dev", dev, "parent", "1:", "classid", "1:10", "htb",

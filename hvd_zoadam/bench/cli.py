@@ -18,8 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from hvd_zoadam.bench import (chaos, convergence, kernels, load, model, network, provenance, resume, step,
-                              torchrun)
+from hvd_zoadam.bench import chaos, convergence, kernels, load, model, network, provenance, resume, step, torchrun
 
 COMMANDS = (network, step, kernels, model, convergence, resume, load, chaos, torchrun)
 

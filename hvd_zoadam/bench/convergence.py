@@ -248,7 +248,7 @@ def run(args, examples) -> dict:
     its finished rows; the gaps to Adam come with the last write). Raises :class:`BaselineError`
     (before any training) for an unusable ``--baseline-json``."""
     torch.set_num_threads(args.threads)
-    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "variants": {}}
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func", "run")}, "variants": {}}
     baseline = baseline_row(args.baseline_json, report["settings"]) if getattr(args, "baseline_json", None) else None
     work = build(args.workload, examples, args)
     # copied before any variant runs: the per-rank oracle writes each rank's x into the model
@@ -494,11 +494,12 @@ def run_scaling(args, examples) -> dict:
     """``bench scaling``: :func:`run` at each P of ``--ranks`` with the variants ``zoadam`` and,
     where nodes of L = ``--ranks-per-node`` make at least two, ``two-level``; per P the
     rows' losses, gaps to Adam and bytes. With ``--json`` the file is rewritten after each P."""
-    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func")}, "rows": {}}
+    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "func", "run")}, "rows": {}}
     for p in [int(r) for r in args.ranks.split(",")]:
         local = args.ranks_per_node
         one = argparse.Namespace(**{**vars(args), "ranks": p, "eval_every": 0, "json": None,
-                                    "variants": "zoadam" + (",two-level" if p % local == 0 and p // local >= 2 else "")})
+                                    "variants": "zoadam" + (",two-level" if p % local == 0 and p // local >= 2
+                                                            else "")})
         variants = run(one, examples)["variants"]
         report["rows"][str(p)] = {name: {k: row[k] for k in SCALING_KEYS if k in row} for name, row in variants.items()}
         if args.json:

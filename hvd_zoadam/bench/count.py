@@ -101,6 +101,7 @@ class Launches:
 
     def __enter__(self):
         from numba.core.registry import CPUDispatcher
+
         from hvd_zoadam.native import cpu
         for name, fn in vars(cpu).items():
             if isinstance(fn, CPUDispatcher):

@@ -57,7 +57,8 @@ def _manager(args, rank: int, world: int, me: str, model, inner):
     store_port = args.port + 1 + rank
     store = torch.distributed.TCPStore(me, store_port, is_master=True, wait_for_workers=False)
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=world,
-                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                                  inner.load_state_dict(sd["inner"])),
                       state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
                       use_async_quorum=False, init_sync=False, replica_id=f"replica{rank}", store_addr=me,
                       store_port=store_port, rank=0, world_size=1, lighthouse_addr=f"http://{args.master}:{args.port}",
@@ -106,7 +107,8 @@ def main(argv=None):
     out = {"run": args.run, "world_size": world, "steps": args.steps, "timed_steps": args.steps - args.skip,
            "steps_per_s": (args.steps - args.skip) / elapsed, "timed_s": elapsed,
            "final_loss": sum(losses[-10:]) / len(losses[-10:]), "steady_steps_per_s": None,
-           "params": sum(p.numel() for p in model.parameters()), "val_curve": clock.val_curve, "eval_seconds": clock.eval_s,
+           "params": sum(p.numel() for p in model.parameters()), "val_curve": clock.val_curve,
+           "eval_seconds": clock.eval_s,
            "syncs_committed": syncs, "syncs_expected": args.steps // args.sync_every,
            "rounds": syncs, "config": {"sync_every": args.sync_every, "outer": "SGD(0.7, 0.9, nesterov)",
                                        "torchft": "0.2.0", "quantization": False}}

@@ -55,8 +55,8 @@ import torch.nn.functional as F
 
 from hvd_zoadam.bench.breakdown import Breakdown
 
-RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-defaults", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd", "ddp-localsgd", "compute",
-        "compute-horovod", "compute-lockstep", "onebit")
+RUNS = ("adam", "adam-fp16", "zoadam", "zoadam-defaults", "zoadam-torchrun", "zoadam-mpi", "ddp-powersgd",
+        "ddp-localsgd", "compute", "compute-horovod", "compute-lockstep", "onebit")
 COMPUTE_RUNS = ("compute", "compute-horovod")  # no collective in the steps: each rank reports its own speed
 ZOADAM_RUNS = ("zoadam", "zoadam-defaults", "zoadam-torchrun", "zoadam-mpi")
 
@@ -200,7 +200,8 @@ def parse(argv=None):
     ap.add_argument("--adamw", choices=("fused", "foreach", "for-loop"), default="fused",
                     help="torch AdamW's implementation in the runs that step with it (adam, adam-fp16, ddp-*, compute)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="time each step's parts (hvd_zoadam.bench.breakdown); every rank writes --out.rank<r>.breakdown")
+                    help="time each step's parts (hvd_zoadam.bench.breakdown); "
+                         "every rank writes --out.rank<r>.breakdown")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.compression != "none" and args.run in ("zoadam-torchrun", "zoadam-mpi"):
@@ -330,8 +331,10 @@ def _ddp(args, model, groups, dist):
                                            warm_start=True)
             net.register_comm_hook(state, powerSGD.powerSGD_hook)
         else:
-            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
-                                                                                        post_localSGD_hook)
+            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+                PostLocalSGDState,
+                post_localSGD_hook,
+            )
             from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
             subgroup, _ = dist.new_subgroups(group_size=1)  # local steps: no intra-node averaging (CPU)
             net.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=subgroup,

@@ -25,13 +25,14 @@ import torch
 import torch.nn as nn
 
 from hvd_zoadam.comm.protocol import exchange_bytes
-from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.core.layout import make_buckets, scale_segments
+from hvd_zoadam.core.schedule import StepKind
 
 # One optimizer per kind, with a schedule that makes every timed step that kind (as bench step).
 KIND_CONFIGS = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
                 StepKind.COMPRESSED: dict(var_freeze_step=10 ** 9, var_update_scaler=1),
-                StepKind.LOCAL: dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1, local_step_clipper=1 << 20),
+                StepKind.LOCAL: dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1,
+                                     local_step_clipper=1 << 20),
                 StepKind.SYNC: dict(var_freeze_step=1)}
 
 
@@ -41,7 +42,8 @@ def make_model(name: str, blocks: int) -> nn.Module:
     (100.7 M parameters in 48 tensors)."""
     torch.manual_seed(0)
     if name == "many-small":
-        return nn.Sequential(*[m for _ in range(blocks) for m in (nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64))])
+        return nn.Sequential(*[m for _ in range(blocks)
+                               for m in (nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64))])
     return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)])
 
 

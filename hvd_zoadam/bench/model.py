@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hvd_zoadam.bench.network import UNSHAPED, _parse_rate
 
+
 def exchange_node_bytes(system: str, *, n: float, p: int, ranks_per_node: int = 1,
                         scale_block_numel: int | None = None) -> float:
     """Bytes one node sends to other nodes in one 1-bit exchange of n elements (algorithm.md §3).
@@ -115,7 +116,8 @@ def cmd_model(args) -> dict:
     # BERT-Large projection (paper §5's setting, in this model's terms), L ranks per node.
     n, local = 340e6, args.ranks_per_node
     frac_zo = {"variance": args.zo_variance_frac, "compressed": args.zo_compressed_frac,
-               "sync": args.zo_sync_frac, "local": 1 - args.zo_variance_frac - args.zo_compressed_frac - args.zo_sync_frac}
+               "sync": args.zo_sync_frac,
+               "local": 1 - args.zo_variance_frac - args.zo_compressed_frac - args.zo_sync_frac}
     proj = []
     for gbit in (10, 40, 100):
         for p in (16, 32, 64, 128, 256, 512, 1024):

@@ -49,7 +49,7 @@ from pathlib import Path
 
 IFACE = "zeth0"
 
-AGENT = r'''#!/bin/sh
+AGENT = (r'''#!/bin/sh
 # hvd_zoadam.bench.netsim launch agent: "ssh [options] host command..." -> ip netns exec <ns> sh -c command
 # (OpenSSH also reads options after the host, as horovodrun's "ssh ... host -o ConnectTimeout=10 cmd")
 map="$(dirname "$0")/hosts.map"
@@ -63,11 +63,12 @@ while [ $# -gt 0 ]; do
 done
 host="${host#*@}"
 ns=$(awk -v h="$host" '$1 == h { print $2 }' "$map")
-if [ -z "$ns" ]; then echo "netsim agent: unknown host '$host' (known: $(awk '{print $1}' "$map" | tr '\n' ' '))" >&2; exit 255; fi
+if [ -z "$ns" ]; then echo "netsim agent: unknown host '$host' (known: $(awk '{print $1}' "$map" | tr '\n' ' '))" '''
+         r'''>&2; exit 255; fi
 # Own UTS namespace and hostname too: Open MPI then sees separate nodes and never uses shared memory.
 export ZO_CMD="$*"
 exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$ZO_CMD"' "$ns"
-'''
+''')
 
 
 def _ip(*args, check=True):
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
                                  epilog="Example: python -m hvd_zoadam.bench.netsim --hosts 2 --rate 100mbit -- "
                                         "sh -c 'mpirun $ZO_MPIRUN_ARGS -H ${ZO_HOSTS%%,*}:1,... -np 2 python train.py'")
     ap.add_argument("--hosts", type=int, default=2, help="number of simulated hosts (namespaces)")
-    ap.add_argument("--rate", default=None, help="HTB rate per link and direction, e.g. 100mbit, 1gbit (default: unshaped)")
+    ap.add_argument("--rate", default=None,
+                    help="HTB rate per link and direction, e.g. 100mbit, 1gbit (default: unshaped)")
     ap.add_argument("--tag", default=None, help="name prefix of the namespaces (default: zo<pid>)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in host 1")
     args = ap.parse_args(argv)

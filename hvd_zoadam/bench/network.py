@@ -230,10 +230,11 @@ TARGETS = [  # (rate, ratio key, target, text)
 
 
 def cmd_network(args) -> dict:
+    import signal
+
     from tqdm import tqdm
 
     from hvd_zoadam.bench.netsim import Network
-    import signal
 
     def on_term(signum, _frame):  # unwind, so every `with Network(...)` removes its namespaces
         raise SystemExit(128 + signum)
@@ -334,7 +335,8 @@ def _rate_report(repeats: list) -> dict:
                 spread[key] = _spread(values)
     others = {k: each[0]["ratios"][k] for k in each[0]["ratios"]
               if k not in spread and all(r["ratios"].get(k) == each[0]["ratios"][k] for r in each)}
-    return {"runs": each[0]["runs"], "ratios": {**others, **{k: s["median"] for k, s in spread.items() if ":" not in k}},
+    return {"runs": each[0]["runs"],
+            "ratios": {**others, **{k: s["median"] for k, s in spread.items() if ":" not in k}},
             "time_to_quality": each[0]["time_to_quality"], "spread": spread, "repeats": each}
 
 
@@ -342,7 +344,8 @@ def _cores_text(cores: dict | None) -> str:
     """Rank 0's cores, training thread and the others (``cpu_cores`` of hvd_zoadam.bench.lm)."""
     if not cores:
         return ""
-    return f", rank 0 used {cores['training_thread']:.2f} + {cores['other_threads']:.2f} cores (training + other threads)"
+    return (f", rank 0 used {cores['training_thread']:.2f} + {cores['other_threads']:.2f} cores "
+            "(training + other threads)")
 
 
 def _time_to_quality(results: list) -> dict:
@@ -438,8 +441,9 @@ def add_parser(sub) -> None:
     net.add_argument("--eval-every", type=int, default=0,
                      help="validation loss on one fixed held-out set every k steps (0: never); with the adam "
                           "run the report gives each system's time to Adam's quality at 2/3 of the steps")
-    net.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"subset of {','.join(RUN_LABELS)} "
-                                                                    f"(default: all but compute-horovod, compute-lockstep and zoadam-mpi)")
+    net.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                     help=f"subset of {','.join(RUN_LABELS)} "
+                          f"(default: all but compute-horovod, compute-lockstep and zoadam-mpi)")
     net.add_argument("--run-timeout", type=int, default=1200, help="seconds per run")
     net.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                      help="extra worker flags, e.g. --n-layer 1 --n-embd 64, or 0/1 Adam's --var-update-scaler 8 "

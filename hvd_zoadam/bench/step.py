@@ -7,6 +7,7 @@ import time
 
 from hvd_zoadam.bench import breakdown as _breakdown_mod
 
+
 def cmd_step(args) -> dict:
     """The optimizer step alone at P = 1: each hvd_zoadam step kind vs AdamW(foreach=True).
 

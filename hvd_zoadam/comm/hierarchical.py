@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from hvd_zoadam import native
-from hvd_zoadam.core.layout import node_shards, padded_numel, segment_offsets, shard_segments
 from hvd_zoadam.comm.protocol import Exchange, _align4, check_layout, exchange_bytes, step_mismatch
 from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core.layout import node_shards, padded_numel, segment_offsets, shard_segments
 
 
 def intra_node_bytes(width: int) -> tuple[int, int]:
@@ -232,10 +232,11 @@ def node_levels(transport: Transport, hierarchical, name: str):
     that passed ``False`` runs no collective here (building an optimizer on some ranks only,
     e.g. over an EMA copy, stays possible); the others' allgather then meets its first step's
     settings check (it has that check's name, for Horovod's collectives, which pair up by name;
-    MPI's pair up by order), and both sides raise the mismatch there. Then ``False``: None. ``True``: ``transport.node_split(name)`` (a
-    ``ValueError`` naming the fix where the transport cannot be split). ``"auto"``: the split
-    where the transport supports one and there are several nodes of several ranks each; else
-    None. Collective (MPI splits) where a split is made.
+    MPI's pair up by order), and both sides raise the mismatch there. Then ``False``: None.
+    ``True``: ``transport.node_split(name)`` (a ``ValueError`` naming the fix where the
+    transport cannot be split). ``"auto"``: the split where the transport supports one and there
+    are several nodes of several ranks each; else None. Collective (MPI splits) where a split is
+    made.
     """
     if transport.world_size == 1:
         return None

@@ -7,8 +7,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hvd_zoadam.comm.transport import CollectiveTimeoutError, Done, Transport, allgather_object_via_bytes, \
-    default_timeout_s
+from hvd_zoadam.comm.transport import (
+    CollectiveTimeoutError,
+    Done,
+    Transport,
+    allgather_object_via_bytes,
+    default_timeout_s,
+)
 
 
 @dataclass

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from hvd_zoadam.comm.horovod import HorovodTransport
-from hvd_zoadam.comm.transport import (CollectiveTimeoutError, CommCounter, Done, Transport, check_uniform_nodes, default_timeout_s, loads_plain, ranks_per_node_override)
+from hvd_zoadam.comm.transport import (
+    CollectiveTimeoutError,
+    CommCounter,
+    Done,
+    Transport,
+    check_uniform_nodes,
+    default_timeout_s,
+    loads_plain,
+    ranks_per_node_override,
+)
 
 MPI_CUDA_AWARE_ENV = "HVD_ZOADAM_MPI_CUDA_AWARE"
 _mpi_comms: dict = {}  # tuple(ranks) -> communicator over Horovod's MPI world

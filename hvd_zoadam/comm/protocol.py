@@ -35,10 +35,9 @@ from __future__ import annotations
 import torch
 
 from hvd_zoadam import native
-from hvd_zoadam.core.layout import padded_numel, segment_offsets
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.comm.transport import Transport
-
+from hvd_zoadam.core.layout import padded_numel, segment_offsets
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
 
@@ -507,13 +506,14 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
     ``fill(bucket, buf)`` writes the input into the padded float32 ``buf``; ``consume(bucket, w)``
     receives the float32[n] result, or, when P > 1 and ``consume_packed`` is given,
     ``consume_packed(bucket, packed, server_scales)`` receives it still packed (a fused kernel
-    then unpacks it; a two-level exchange's result always goes to ``consume``). No error buffer changes and nothing is consumed until every bucket's
-    round 2 is in, so a non-finite input anywhere skips every bucket (algorithm.md §5). At P > 1 each bucket
-    is filled once, into its exchange's own input buffer, which the worker side turns into the
-    new error; at P = 1 with several buckets the scratch ``scratch_g`` is filled again for the
-    second phase (bitwise alike). ``started`` (P > 1) maps ``id(bucket)`` to a round 1 the
-    backward hooks already started from the bucket's exchange input; those buckets are not
-    filled again. ``scratch_w``: float32, at least the largest bucket's numel.
+    then unpacks it; a two-level exchange's result always goes to ``consume``). No error buffer
+    changes and nothing is consumed until every bucket's round 2 is in, so a non-finite input
+    anywhere skips every bucket (algorithm.md §5). At P > 1 each bucket is filled once, into its
+    exchange's own input buffer, which the worker side turns into the new error; at P = 1 with
+    several buckets the scratch ``scratch_g`` is filled again for the second phase (bitwise
+    alike). ``started`` (P > 1) maps ``id(bucket)`` to a round 1 the backward hooks already
+    started from the bucket's exchange input; those buckets are not filled again. ``scratch_w``:
+    float32, at least the largest bucket's numel.
     """
     w = scratch_w
     world_size = buckets[0].exchange.transport.world_size if buckets else 1

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_zoadam.comm.transport import (CollectiveOrderError, CollectiveTimeoutError, CommCounter, Done, Transport, check_uniform_nodes)
+from hvd_zoadam.comm.transport import (
+    CollectiveOrderError,
+    CollectiveTimeoutError,
+    CommCounter,
+    Done,
+    Transport,
+    check_uniform_nodes,
+)
 
 
 @dataclass

@@ -18,7 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_zoadam.comm.transport import (CollectiveTimeoutError, CommCounter, Done, Transport, check_uniform_nodes, default_timeout_s, loads_plain, ranks_per_node_override)
+from hvd_zoadam.comm.transport import (
+    CollectiveTimeoutError,
+    CommCounter,
+    Done,
+    Transport,
+    check_uniform_nodes,
+    default_timeout_s,
+    loads_plain,
+    ranks_per_node_override,
+)
 
 BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}  # the device type each backend moves
 

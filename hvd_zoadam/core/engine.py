@@ -9,8 +9,8 @@ gradients into flat buffers and scatters results back, keeps fp32 master weights
 fp16/bf16 parameters, resolves momentum masks and owns the reusable scratch.
 
 No collectives run here, and no step math: :mod:`hvd_zoadam.comm.protocol` exchanges, the
-algorithms (:mod:`hvd_zoadam.core.algorithms`) compute, and the shell
-(:mod:`hvd_zoadam.shell.horovod`) drives them.
+algorithms (:mod:`hvd_zoadam.core.algorithms`) compute, and the shell's step driver
+(:mod:`hvd_zoadam.shell.driver`) drives them.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hvd_zoadam import native
-from hvd_zoadam.core import step_math
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange
-from hvd_zoadam.core.layout import make_buckets, scale_segments
 from hvd_zoadam.comm.protocol import CollectiveNames, Exchange
 from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core import step_math
+from hvd_zoadam.core.layout import make_buckets, scale_segments
 
 
 @dataclass

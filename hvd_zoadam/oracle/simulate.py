@@ -13,9 +13,9 @@ import math
 import torch
 
 from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
+from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.native import reference
 from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked, row_sum
-from hvd_zoadam.core.schedule import Schedule, StepKind
 
 
 def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=None, server_exact=False):
@@ -171,139 +171,178 @@ def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedu
     """
     if (grad_fn is None) == (batched_grad_fn is None):
         raise TypeError("simulate_zoadam takes exactly one of grad_fn and batched_grad_fn")
-    beta1, beta2 = betas
-    numels = [p.numel() for p in params]
-    segments = scale_segments(numels, scale_block_numel)
-    n = sum(numels)
-    x = torch.cat([p.reshape(-1).float() for p in params]).expand(world_size, n).clone()
-    m = torch.zeros(world_size, n)
-    v = torch.zeros(n)
-    anchor = torch.zeros(n)
-    errors = _ErrorBuffers(n, world_size, ranks_per_node)
-    k, lr_sum, decay, freeze_lr, kinds = 0, 0.0, 1.0, None, []
-    sync_momentum = None  # the previous SYNC step's m (the sync_momentum_average ablation)
+    run = _Run(params, grad_fn, batched_grad_fn, world_size, betas, eps, weight_decay, decoupled, bias_correction,
+               scale_block_numel, precondition, auto_mask, exact, server_exact, clip_scale, trace, ranks_per_node,
+               stacked, sync_momentum_average)
+    freeze_state, kinds = {}, []  # freeze_state: the optimizer's counters of var_freeze_step="auto"
+    for t in range(1, steps + 1):
+        lr = lr_fn(t)
+        sched = schedule if auto_freeze is None else auto_freeze.schedule(schedule, freeze_state)
+        kind = sched.kind(t, lr=lr, freeze_lr=run.freeze_lr)
+        # after the kind: a T_f decided at t is >= t (the optimizer observes after the step)
+        if auto_freeze is not None:
+            auto_freeze.observe(freeze_state, t, lr)
+        kinds.append(kind)
+        if kind in (StepKind.LOCAL, StepKind.SYNC) and t == sched.var_freeze_step + 1:
+            run.enter_freeze(lr)
+        run.step(t, kind, lr, sched)
+    return [[c.view_as(p).clone() for c, p in zip(xr.split(run.numels), params)] for xr in run.x], kinds
 
-    def flat_grads(t):
-        if batched_grad_fn is not None:
-            return batched_grad_fn(t, x).float()
-        out = torch.empty(world_size, n)
-        for r in range(world_size):
-            views = [c.view_as(p) for c, p in zip(x[r].split(numels), params)]
-            out[r] = torch.cat([g.reshape(-1).float() for g in grad_fn(t, r, views)])
+
+class _Run:
+    """One :func:`simulate_zoadam` run: the P workers' x and m (rows of float32[P, n]), the one v
+    and anchor every rank shares, the error buffers, the counters, and each step kind's math."""
+
+    def __init__(self, params, grad_fn, batched_grad_fn, world_size, betas, eps, weight_decay, decoupled,
+                 bias_correction, scale_block_numel, precondition, auto_mask, exact, server_exact, clip_scale, trace,
+                 ranks_per_node, stacked, sync_momentum_average):
+        self.params, self.grad_fn, self.batched_grad_fn, self.world_size = params, grad_fn, batched_grad_fn, world_size
+        (self.beta1, self.beta2), self.eps, self.weight_decay, self.decoupled = betas, eps, weight_decay, decoupled
+        self.bias_correction, self.precondition, self.exact, self.server_exact = (bias_correction, precondition,
+                                                                                  exact, server_exact)
+        self.clip_scale, self.trace, self.stacked = clip_scale, trace, stacked
+        self.sync_momentum_average, self.auto_mask_on = sync_momentum_average, auto_mask
+        self.numels = [p.numel() for p in params]
+        self.segments = scale_segments(self.numels, scale_block_numel)
+        self.n = n = sum(self.numels)
+        self.x = torch.cat([p.reshape(-1).float() for p in params]).expand(world_size, n).clone()
+        self.m = torch.zeros(world_size, n)
+        self.v = torch.zeros(n)
+        self.anchor = torch.zeros(n)
+        self.errors = _ErrorBuffers(n, world_size, ranks_per_node)
+        self.k, self.lr_sum, self.decay, self.freeze_lr = 0, 0.0, 1.0, None
+        self.sync_momentum = None  # the previous SYNC step's m (the sync_momentum_average ablation)
+        self.has_decay = bool(torch.as_tensor(weight_decay).ne(0).any())
+
+    def flat_grads(self, t):
+        if self.batched_grad_fn is not None:
+            return self.batched_grad_fn(t, self.x).float()
+        out = torch.empty(self.world_size, self.n)
+        for r in range(self.world_size):
+            views = [c.view_as(p) for c, p in zip(self.x[r].split(self.numels), self.params)]
+            out[r] = torch.cat([g.reshape(-1).float() for g in self.grad_fn(t, r, views)])
         return out
 
-    def adam_denom(k_):
-        bc2 = 1 - beta2 ** max(k_, 1) if bias_correction else 1.0
-        return (v.sqrt() / bc2 ** 0.5).add_(eps)
+    def adam_denom(self, k_):
+        bc2 = 1 - self.beta2 ** max(k_, 1) if self.bias_correction else 1.0
+        return (self.v.sqrt() / bc2 ** 0.5).add_(self.eps)
 
-    def bound(k_):  # kinds.normalized_gradient_bound
-        scale = clip_scale
-        if clip_scale == "k":  # the earlier bound, Adam's at its (k+1)-th update
-            scale = math.sqrt(1 - beta2 ** (k_ + 1)) if bias_correction else 1.0
-        return math.sqrt(world_size) / math.sqrt(1 - beta2) * scale
+    def bound(self, k_):  # step_math.normalized_gradient_bound
+        scale = self.clip_scale
+        if self.clip_scale == "k":  # the earlier bound, Adam's at its (k+1)-th update
+            scale = math.sqrt(1 - self.beta2 ** (k_ + 1)) if self.bias_correction else 1.0
+        return math.sqrt(self.world_size) / math.sqrt(1 - self.beta2) * scale
 
-    def exchange(inputs, phase, t):
-        if phase in exact:
-            out = row_sum(inputs) / world_size
+    def exchange(self, inputs, phase, t):
+        if phase in self.exact:
+            out = row_sum(inputs) / self.world_size
         else:
-            out = errors.allreduce(inputs, segments, server_exact, stacked)
+            out = self.errors.allreduce(inputs, self.segments, self.server_exact, self.stacked)
         if out is None:
             raise FloatingPointError(f"simulate_zoadam: a non-finite scale in the {phase} exchange of step {t}: "
                                      "the run diverged")
-        if trace is not None:
-            trace.append({"step": t, "kind": phase, **errors.norms(), "result": float(out.norm())})
+        if self.trace is not None:
+            self.trace.append({"step": t, "kind": phase, **self.errors.norms(), "result": float(out.norm())})
         return out
 
-    has_decay = bool(torch.as_tensor(weight_decay).ne(0).any())
-
-    def momentum(x_, m_, grad, denom, lr, bc1, mask):  # all ranks' rows, or one rank's
-        if decoupled and has_decay:
-            x_.mul_(1 - lr * weight_decay)
-        if not decoupled and weight_decay:
-            grad = grad.add(x_, alpha=weight_decay)
-        m_.lerp_(grad, 1 - beta1)
+    def momentum(self, x_, m_, grad, denom, lr, bc1, mask):  # all ranks' rows, or one rank's
+        if self.decoupled and self.has_decay:
+            x_.mul_(1 - lr * self.weight_decay)
+        if not self.decoupled and self.weight_decay:
+            grad = grad.add(x_, alpha=self.weight_decay)
+        m_.lerp_(grad, 1 - self.beta1)
         if mask is not None:
             m_.mul_(mask)
         x_.addcdiv_(m_, denom, value=-lr / bc1)
 
-    freeze_state = {}  # the optimizer's counters of var_freeze_step="auto"
-    for t in range(1, steps + 1):
-        lr = lr_fn(t)
-        sched = schedule if auto_freeze is None else auto_freeze.schedule(schedule, freeze_state)
-        kind = sched.kind(t, lr=lr, freeze_lr=freeze_lr)
-        if auto_freeze is not None:  # after the kind: a T_f decided at t is >= t (the optimizer observes after the step)
-            auto_freeze.observe(freeze_state, t, lr)
-        kinds.append(kind)
-        bc1 = 1 - beta1 ** t if bias_correction else 1.0
-        if kind in (StepKind.LOCAL, StepKind.SYNC) and t == sched.var_freeze_step + 1:
-            freeze_lr = lr
-            errors.zero_()
-            anchor = x[0].clone()
-        g = flat_grads(t)
-        mask = (v != 0) if auto_mask else None
+    def enter_freeze(self, lr) -> None:
+        self.freeze_lr = lr
+        self.errors.zero_()
+        self.anchor = self.x[0].clone()
+
+    def step(self, t, kind, lr, sched) -> None:
+        bc1 = 1 - self.beta1 ** t if self.bias_correction else 1.0
+        g = self.flat_grads(t)
+        mask = (self.v != 0) if self.auto_mask_on else None
         if kind is StepKind.VARIANCE:
-            interval = sched.variance_update_steps(t, k)  # I: v's update weighs as I steps
-            k += interval
-            avg = row_sum(g) / world_size
-            if decoupled and has_decay:
-                x.mul_(1 - lr * weight_decay)
-            gr = avg.add(x, alpha=weight_decay) if (not decoupled and weight_decay) else avg.expand(world_size, n)
-            m.lerp_(gr, 1 - beta1)
-            b2 = beta2 ** interval
-            v.mul_(b2).addcmul_(gr[0], gr[0], value=1 - b2)
-            x.addcdiv_(m, adam_denom(k), value=-lr / bc1)
-            continue
-        denom = adam_denom(k)
-        if kind is StepKind.COMPRESSED:
-            if world_size > 1:
-                if precondition:
-                    c = bound(k)
-                    g = (g / denom).clamp(-c, c)
-                out = exchange(g, "compressed", t)
-                if precondition:
-                    out = out * denom
-                if mask is not None:
-                    out = out * mask
-                    errors.mask_(mask)
-                g = out.expand(world_size, n)
-            momentum(x, m, g, denom, lr, bc1, mask)
-            continue
-        finite = torch.isfinite(g).all(dim=1)  # LOCAL, and the local part of SYNC
-        if precondition:
-            b = denom * bound(k)
+            self.variance(t, lr, bc1, g, sched.variance_update_steps(t, self.k))
+        elif kind is StepKind.COMPRESSED:
+            self.compressed(t, lr, bc1, g, mask)
+        else:
+            self.local_and_sync(t, kind, lr, bc1, g, mask)
+
+    def variance(self, t, lr, bc1, g, interval) -> None:
+        """I = ``interval``: v's update weighs as I steps."""
+        x, m, v = self.x, self.m, self.v
+        self.k += interval
+        avg = row_sum(g) / self.world_size
+        if self.decoupled and self.has_decay:
+            x.mul_(1 - lr * self.weight_decay)
+        gr = (avg.add(x, alpha=self.weight_decay) if (not self.decoupled and self.weight_decay)
+              else avg.expand(self.world_size, self.n))
+        m.lerp_(gr, 1 - self.beta1)
+        b2 = self.beta2 ** interval
+        v.mul_(b2).addcmul_(gr[0], gr[0], value=1 - b2)
+        x.addcdiv_(m, self.adam_denom(self.k), value=-lr / bc1)
+
+    def compressed(self, t, lr, bc1, g, mask) -> None:
+        denom = self.adam_denom(self.k)
+        if self.world_size > 1:
+            if self.precondition:
+                c = self.bound(self.k)
+                g = (g / denom).clamp(-c, c)
+            out = self.exchange(g, "compressed", t)
+            if self.precondition:
+                out = out * denom
+            if mask is not None:
+                out = out * mask
+                self.errors.mask_(mask)
+            g = out.expand(self.world_size, self.n)
+        self.momentum(self.x, self.m, g, denom, lr, bc1, mask)
+
+    def local_and_sync(self, t, kind, lr, bc1, g, mask) -> None:
+        """LOCAL, and the local part of SYNC, then a SYNC step's exchange and rebuild."""
+        denom = self.adam_denom(self.k)
+        finite = torch.isfinite(g).all(dim=1)
+        if self.precondition:
+            b = denom * self.bound(self.k)
             g = torch.maximum(torch.minimum(g, b), -b)
         if bool(finite.all()):
-            momentum(x, m, g, denom, lr, bc1, mask)
+            self.momentum(self.x, self.m, g, denom, lr, bc1, mask)
         else:  # a rank whose gradient is not finite skips its local step
             for r in finite.nonzero().flatten().tolist():
-                momentum(x[r], m[r], g[r], denom, lr, bc1, mask)
-        lr_sum += lr
-        if decoupled and has_decay:
-            decay = decay * (1 - lr * weight_decay)
-        if kind is StepKind.SYNC and lr_sum > 0:
-            if decoupled and has_decay:
-                anchor.mul_(decay)
-            u = anchor - x if precondition else (anchor - x) * denom
-            w = exchange(u, "sync", t)
-            if mask is not None:
-                w = w * mask
-            x0, m0 = torch.empty(n), torch.empty(n)
-            reference.sync_rebuild(w, anchor.clone(), x0, m0, denom, bc1 / lr_sum, preconditioned=precondition)
-            if "sync-momentum" in exact:
-                w_exact = row_sum(u) / world_size * (mask if mask is not None else 1)
-                reference.sync_rebuild(w_exact, anchor.clone(), torch.empty(n), m0, denom, bc1 / lr_sum,
-                                       preconditioned=precondition)
-            if sync_momentum_average:
-                if sync_momentum is not None:
-                    m0.mul_(1 - sync_momentum_average).add_(sync_momentum, alpha=sync_momentum_average)
-                sync_momentum = m0.clone()
-            x.copy_(x0.expand(world_size, n))
-            m.copy_(m0.expand(world_size, n))
-            if mask is not None:
-                errors.mask_(mask)
-            anchor = x0.clone()
-            lr_sum, decay = 0.0, 1.0
-    return [[c.view_as(p).clone() for c, p in zip(xr.split(numels), params)] for xr in x], kinds
+                self.momentum(self.x[r], self.m[r], g[r], denom, lr, bc1, mask)
+        self.lr_sum += lr
+        if self.decoupled and self.has_decay:
+            self.decay = self.decay * (1 - lr * self.weight_decay)
+        if kind is StepKind.SYNC and self.lr_sum > 0:
+            self.sync(t, bc1, denom, mask)
+
+    def sync(self, t, bc1, denom, mask) -> None:
+        """SYNC steps 2-7: the window's update exchanged, x, m and the anchor rebuilt from it."""
+        n, anchor = self.n, self.anchor
+        if self.decoupled and self.has_decay:
+            anchor.mul_(self.decay)
+        u = anchor - self.x if self.precondition else (anchor - self.x) * denom
+        w = self.exchange(u, "sync", t)
+        if mask is not None:
+            w = w * mask
+        x0, m0 = torch.empty(n), torch.empty(n)
+        reference.sync_rebuild(w, anchor.clone(), x0, m0, denom, bc1 / self.lr_sum, preconditioned=self.precondition)
+        if "sync-momentum" in self.exact:
+            w_exact = row_sum(u) / self.world_size * (mask if mask is not None else 1)
+            reference.sync_rebuild(w_exact, anchor.clone(), torch.empty(n), m0, denom, bc1 / self.lr_sum,
+                                   preconditioned=self.precondition)
+        if self.sync_momentum_average:
+            if self.sync_momentum is not None:
+                m0.mul_(1 - self.sync_momentum_average).add_(self.sync_momentum, alpha=self.sync_momentum_average)
+            self.sync_momentum = m0.clone()
+        self.x.copy_(x0.expand(self.world_size, n))
+        self.m.copy_(m0.expand(self.world_size, n))
+        if mask is not None:
+            self.errors.mask_(mask)
+        self.anchor = x0.clone()
+        self.lr_sum, self.decay = 0.0, 1.0
 
 
 class _ErrorBuffers:

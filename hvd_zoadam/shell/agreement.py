@@ -12,8 +12,8 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 
-from hvd_zoadam.core.engine import params_digest
 from hvd_zoadam.comm.protocol import GRADS_CHANGED, NO_GRADIENT, StepMismatchError, check_layout, step_flags
+from hvd_zoadam.core.engine import params_digest
 
 
 class StepAgreement:

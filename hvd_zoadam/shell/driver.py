@@ -19,19 +19,45 @@ import logging
 import warnings
 
 from hvd_zoadam import native
-from hvd_zoadam.comm.protocol import Average, exchange_buckets
-from hvd_zoadam.core.algorithms import StepContext
-from hvd_zoadam.core.engine import hold_frozen, restore_frozen
+from hvd_zoadam.comm.protocol import Average, CollectiveNames, exchange_buckets
+from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core.algorithms import Algorithm, StepContext
+from hvd_zoadam.core.engine import Engine, hold_frozen, restore_frozen
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
+from hvd_zoadam.shell.stats import CommStats, StepLog
 
 _log = logging.getLogger("hvd_zoadam")
 
 
 class StepDriver:
-    """Drives one step (see the module docstring). Holds no state of its own beyond the
-    attributes :class:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer` sets up."""
+    """Drives one step (see the module docstring). Holds no state of its own: it reads and
+    updates the attributes below, which :class:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer`
+    sets up (``__init__`` and ``_init_step_state``)."""
+
+    algorithm: Algorithm
+    transport: Transport
+    world_size: int
+    overlap: bool
+    compression: object
+    gradient_predivide_factor: float
+    sparse_as_dense: bool
+    _engine: Engine
+    _collectives: CollectiveNames
+    _average: Average
+    _overlap: Overlap
+    _ready: bool                 # construction is complete
+    _amp_seen: bool              # a torch.amp.GradScaler drove a step: nothing starts from the hooks
+    _checked_layout: bool        # the first step's settings check passed
+    _pending: tuple | None       # (step, kind, skip) prepared by synchronize()
+    _synchronized: bool
+    _should_synchronize: bool
+    _exchanged: bool
+    _warned_unsynchronized: bool
+    _sync_started: dict
+    _stats: CommStats
+    _step_log: StepLog | None
 
     @property
     def _buckets(self) -> list:
@@ -65,7 +91,7 @@ class StepDriver:
         # Nor right after loading an Adam checkpoint: the anchor and error buffers are set in synchronize().
         return (self.overlap and self.transport.supports_async and self.world_size > 1 and self._checked_layout
                 and not self._amp_seen and not self._counters.get(ADOPT_KEY)
-                and self._pending is None and getattr(self, "_ready", False))
+                and self._pending is None and self._ready)
 
     def _launch(self, window, bi: int) -> None:
         """Start bucket ``bi``'s exchange for the coming step: from the hooks, or from ``synchronize()``

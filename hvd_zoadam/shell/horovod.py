@@ -16,7 +16,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None, *, var_freeze_step="auto", var_update_scaler="auto",
                          local_step_scaler=32768, local_step_clipper=8, local_step_policy="lr",
-                         var_update_weighting="interval", bias_correction=True, transport="auto", bucket_cap_mb=25.0, scale_block_numel="auto",
+                         var_update_weighting="interval", bias_correction=True, transport="auto", bucket_cap_mb=25.0,
+                         scale_block_numel="auto",
                          exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
                          step_log=None, overlap=True, algorithm="zoadam", hierarchical=False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam (or 1-bit Adam) optimizer that

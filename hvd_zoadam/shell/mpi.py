@@ -34,9 +34,14 @@ import torch
 from hvd_zoadam.comm.mpi import mpi_comm_unavailable_reason
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.shell.options import documents_knobs
+from hvd_zoadam.shell.torch_distributed import (
+    KNOBS,
+    broadcast_state,
+    broadcast_tensors,
+    build_without_horovod,
+    refuse_ddp,
+)
 from hvd_zoadam.shell.torch_distributed import DistributedOptimizer as _torch_distributed_optimizer
-from hvd_zoadam.shell.torch_distributed import (KNOBS, refuse_ddp, broadcast_state, broadcast_tensors,
-                                               build_without_horovod)
 
 __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
 

@@ -32,8 +32,14 @@ from hvd_zoadam.core.schedule import AutoFreeze, Schedule
 from hvd_zoadam.shell.agreement import StepAgreement
 from hvd_zoadam.shell.driver import StepDriver
 from hvd_zoadam.shell.horovod_contract import HorovodContract
-from hvd_zoadam.shell.options import (AUTO, STATE_KEY, check_arguments, check_group, check_named_parameters,
-                                      resolve_schedule)
+from hvd_zoadam.shell.options import (
+    AUTO,
+    STATE_KEY,
+    check_arguments,
+    check_group,
+    check_named_parameters,
+    resolve_schedule,
+)
 from hvd_zoadam.shell.overlap import Overlap
 from hvd_zoadam.shell.stats import CommStats, ReportsMixin, StepLog
 from hvd_zoadam.shell.torch_optim import ParamGroupsMixin, StateDictMixin

@@ -182,8 +182,8 @@ def broadcast_tensors(params, broadcast) -> None:
 def broadcast_state(optimizer, root_rank: int, broadcast_object, broadcast, all_agree) -> None:
     """:func:`broadcast_optimizer_state` over any collective: ``broadcast_object(obj)``
     returns the root's plain object (param groups and each state tensor's key, shape and
-    dtype, pickled by this job's own root rank), ``broadcast(tensor)`` makes one tensor the root's in place, ``all_agree(ok)``
-    is whether ``ok`` holds on every rank.
+    dtype, pickled by this job's own root rank), ``broadcast(tensor)`` makes one tensor the
+    root's in place, ``all_agree(ok)`` is whether ``ok`` holds on every rank.
 
     Raises:
         ValueError: on every rank, the root included, when the ranks' optimizers hold

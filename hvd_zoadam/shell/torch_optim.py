@@ -13,9 +13,9 @@ import weakref
 
 import torch
 
+from hvd_zoadam.comm.protocol import pool_error_feedback
 from hvd_zoadam.core.layout import segment_offsets
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY, check_group, check_named_parameters
-from hvd_zoadam.comm.protocol import pool_error_feedback
 
 
 class StateDictMixin:
@@ -371,7 +371,7 @@ class ParamGroupsMixin:
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch semantics). Its params get new, zeroed buffers and unique names."""
         super().add_param_group(param_group)
-        if getattr(self, "_ready", False):
+        if self._ready:
             index = len(self.param_groups) - 1
             check_group(self.param_groups[index], index)
             for j, p in enumerate(self.param_groups[index]["params"]):

@@ -22,10 +22,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from numba import config, cuda
 
+from conftest import bucket_cases, server_inputs
 from hvd_zoadam import native
 from hvd_zoadam.core.layout import segment_offsets
 from hvd_zoadam.native import cpu, reference
-from conftest import bucket_cases, server_inputs
 
 SIM = bool(config.ENABLE_CUDASIM)
 pytestmark = pytest.mark.skipif(not (SIM or (cuda.is_available() and torch.cuda.is_available())),
@@ -98,7 +98,8 @@ def test_one_pass_worker_kernel_is_bitwise_the_two_passes(case, unpadded, block,
     kcuda.forget_plan_arrays(plan)
     assume(plan.groups is not None and len(plan.groups))
     y_in = dev(y[:n] if unpadded else y)
-    ge, two_scales, two_packed = dev(e.clone()), dev(torch.zeros(len(numels))), dev(torch.zeros(big // 8, dtype=torch.uint8))
+    ge, two_scales, two_packed = (dev(e.clone()), dev(torch.zeros(len(numels))),
+                                  dev(torch.zeros(big // 8, dtype=torch.uint8)))
     kcuda.worker_scales(y_in, ge, plan, two_scales)
     kcuda.pack_update(y_in, ge, 0, plan, two_scales, two_packed)
     fe = dev(e.clone())
@@ -172,7 +173,8 @@ def test_one_pass_server_kernel_is_bitwise_the_two_passes(case, rank_seed, block
     tasks = plan.server_tasks
     assume(len(tasks))
     sizes = (tasks[:, 2] - tasks[:, 1]).tolist()
-    plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]), min(cpu.BLOCK, max([block, *sizes])))
+    plan.server_groups = cpu.make_groups(np.concatenate([tasks[:1, 1], tasks[:, 2]]),
+                                         min(cpu.BLOCK, max([block, *sizes])))
     kcuda.forget_plan_arrays(plan)
     assume(plan.server_groups is not None)
     two_se, one_se = dev(se.clone()), dev(se.clone())

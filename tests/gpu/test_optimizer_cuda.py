@@ -24,9 +24,9 @@ from numba import config, cuda
 
 import hvd_zoadam
 import hvd_zoadam.comm.transport
+from conftest import run_threads
 from hvd_zoadam import StepKind, native
 from hvd_zoadam.oracle.simulate import simulate_compressed_allreduce
-from conftest import run_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mp"))
 import common  # noqa: E402

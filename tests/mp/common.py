@@ -51,7 +51,8 @@ def grads_at(step: int, rank: int, params: list[torch.Tensor]) -> list[torch.Ten
 def simulate_mlp(p: int, steps: int, knobs: dict, cls=torch.optim.Adam, wd: float = 0.0, paper_raw: bool = False):
     """The oracle of the thread-rank MLP runs: ``simulate_zoadam`` from ``mlp()``'s initial
     parameters with :func:`grads_at`, constant LR; ``paper_raw`` runs the paper's plain algorithm:
-    it turns off hvd_zoadam's preconditioned compression and automatic momentum mask. Returns (params per rank, kinds)."""
+    it turns off hvd_zoadam's preconditioned compression and automatic momentum mask.
+    Returns (params per rank, kinds)."""
     from hvd_zoadam import Schedule
     from hvd_zoadam.oracle.simulate import simulate_zoadam
     params0 = [q.detach().clone() for q in mlp().parameters()]
@@ -98,15 +99,18 @@ def front_end():
     :mod:`hvd_zoadam.mpi`, with no Horovod imported either."""
     if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "mpi":
         import mpi_shim
+
         import hvd_zoadam.mpi
         from hvd_zoadam.comm.mpi import MPICommTransport
         return mpi_shim, hvd_zoadam.mpi.DistributedOptimizer, MPICommTransport
     if os.environ.get("HVD_ZOADAM_TEST_FRONT_END") == "torch.distributed":
         import tdist_shim
+
         import hvd_zoadam.distributed
         from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport
         return tdist_shim, hvd_zoadam.distributed.DistributedOptimizer, TorchDistributedTransport
     import horovod.torch as hvd
+
     import hvd_zoadam
     from hvd_zoadam.comm.mpi import MPITransport
     return hvd, hvd_zoadam.DistributedOptimizer, MPITransport

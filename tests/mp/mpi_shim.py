@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from mpi4py import MPI
 
 import hvd_zoadam.mpi as zm

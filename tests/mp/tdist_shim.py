@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
 import hvd_zoadam.distributed as zd

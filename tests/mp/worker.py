@@ -12,7 +12,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 
 hvd, FRONT_END, _ = common.front_end()  # Horovod, or torch.distributed under torchrun

@@ -18,7 +18,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 
 TRANSPORT = os.environ.get("HVD_ZOADAM_TEST_TRANSPORT", "auto")
@@ -53,7 +52,8 @@ def is_an_adam(out):
                                             transport=TRANSPORT)
     out["isinstance"] = {"adam": isinstance(opt, torch.optim.Adam), "optimizer": isinstance(opt, torch.optim.Optimizer),
                          "zoadam": isinstance(opt, hvd_zoadam.DistributedAdamOptimizer),
-                         "adamw": isinstance(opt_w, torch.optim.AdamW), "adam_not_adamw": not isinstance(opt, torch.optim.AdamW),
+                         "adamw": isinstance(opt_w, torch.optim.AdamW),
+                         "adam_not_adamw": not isinstance(opt, torch.optim.AdamW),
                          "lr_after_scheduler": opt.param_groups[0]["lr"]}
 
 
@@ -281,7 +281,8 @@ def adam_checkpoint(out, tmp):
             if kinds[-1] in ("variance", "compressed", "sync"):
                 common.assert_same_on_all_ranks(hvd, list(resumed.parameters()),
                                                 f"parameters after resumed {kinds[-1]} step {t} ({case})")
-        res[case] = {"kinds": kinds, "first": first, "losses": losses, "at_save": at_save, "lr": opt.param_groups[0]["lr"],
+        res[case] = {"kinds": kinds, "first": first, "losses": losses, "at_save": at_save,
+                     "lr": opt.param_groups[0]["lr"],
                      "schedule": opt.schedule_state(),
                      "params": [p.detach().clone() for p in resumed.parameters()]}
     out["adam_checkpoint"] = res

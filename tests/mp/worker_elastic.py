@@ -23,8 +23,8 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hvd_zoadam  # noqa: E402
 import common  # noqa: E402
+import hvd_zoadam  # noqa: E402
 from common import loss_fn, mlp  # noqa: E402
 
 
@@ -72,7 +72,8 @@ def main():
             if opt.schedule.kind(sched["step"]).value == "sync":
                 common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after sync {step}")
             records.append({
-                "step": step, "world": hvd.size(), "rank": hvd.rank(), "pid": os.getpid(), "kind": opt.schedule.kind(sched["step"]).value,
+                "step": step, "world": hvd.size(), "rank": hvd.rank(), "pid": os.getpid(),
+                "kind": opt.schedule.kind(sched["step"]).value,
                 "schedule": sched,
                 "worker_error": [b.exchange.worker_error.numel() for b in opt._buckets],
                 "server_error": [b.exchange.server_error.numel() for b in opt._buckets],

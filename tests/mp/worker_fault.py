@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import checkpoint  # noqa: E402
 
@@ -95,7 +94,8 @@ def main():
         opt.step()
         if mode == "kill-save" and t in (2, 4):
             checkpoint.save(f"{sys.argv[2]}{t}", model, opt, step=t)
-        if t < 5 or mode == "skip-iteration":  # every step exchanges here (freeze at 3, a sync every step after): x alike on all ranks
+        # every step exchanges here (freeze at 3, a sync every step after): x alike on all ranks
+        if t < 5 or mode == "skip-iteration":
             common.assert_same_on_all_ranks(hvd, list(model.parameters()), f"parameters after step {t}")
     if mode in ("clean", "resume"):
         common.assert_same_on_all_ranks(hvd, list(model.parameters()), "final parameters")

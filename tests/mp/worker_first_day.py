@@ -111,7 +111,8 @@ def scheduler_on_inner(out):
     before = [p.detach().clone() for p in net.parameters()]
     one_step(net, opt, 4)
     moved = max((p.detach() - b).abs().max().item() for p, b in zip(net.parameters(), before))
-    out["scheduler_on_inner"] = {"lr": opt.param_groups[0]["lr"], "shared": inner.param_groups[0] is opt.param_groups[0],
+    out["scheduler_on_inner"] = {"lr": opt.param_groups[0]["lr"],
+                                 "shared": inner.param_groups[0] is opt.param_groups[0],
                                  "largest_move": moved, "inner_state": len(inner.state_dict()["state"])}
 
 

@@ -17,8 +17,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
-import hvd_zoadam  # noqa: E402
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange  # noqa: E402
 from hvd_zoadam.core.layout import scale_segments  # noqa: E402
 

@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 
 TX = "/sys/class/net/zeth0/statistics/tx_bytes"

@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 from hvd_zoadam import checkpoint  # noqa: E402
 

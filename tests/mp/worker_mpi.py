@@ -12,7 +12,6 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 import hvd_zoadam.mpi as zm  # noqa: E402
 from hvd_zoadam.comm.mpi import MPICommTransport  # noqa: E402

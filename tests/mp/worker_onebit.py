@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 
 hvd, _, _ = common.front_end()  # Horovod, or mpi4py alone with HVD_ZOADAM_TEST_FRONT_END=mpi

@@ -12,7 +12,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam  # noqa: E402
 
 
@@ -25,8 +24,8 @@ def main():
     model = torch.nn.Linear(8, 4)
     opt = hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(), process_set=mine,
-                                          var_freeze_step=2, var_update_scaler=1, local_step_policy="steps", local_step_scaler=2,
-                                          local_step_clipper=2)
+                                          var_freeze_step=2, var_update_scaler=1, local_step_policy="steps",
+                                          local_step_scaler=2, local_step_clipper=2)
     kinds = []
     for t in range(1, 9):
         opt.zero_grad()

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam.distributed as zd  # noqa: E402
 
 
@@ -26,9 +25,10 @@ def main():
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), {}
     model = common.mlp()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    out["ddp"] = refusal(lambda: zd.DistributedOptimizer(torch.optim.AdamW(ddp.parameters()), ddp.named_parameters()))
-    del ddp
+    wrapped = [torch.nn.parallel.DistributedDataParallel(model)]
+    out["ddp"] = refusal(lambda: zd.DistributedOptimizer(torch.optim.AdamW(wrapped[0].parameters()),
+                                                         wrapped[0].named_parameters()))
+    wrapped.clear()
     from hvd_zoadam.comm.torch_distributed import TorchDistributedTransport
     out["cuda_over_gloo"] = refusal(lambda: TorchDistributedTransport().check_device(torch.device("cuda", 0)))
     # ranks that pass different options: the first step's settings check fails on every rank

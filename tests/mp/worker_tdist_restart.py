@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import hvd_zoadam.distributed as zd  # noqa: E402
 from hvd_zoadam import checkpoint  # noqa: E402
 

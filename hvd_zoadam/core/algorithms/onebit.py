@@ -15,9 +15,9 @@ No collectives here: the step calls ``ctx.exchange``.
 from __future__ import annotations
 
 from hvd_zoadam.core import step_math
-from hvd_zoadam.core.schedule import Schedule, StepKind
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.algorithms.zeroone import variance_step
+from hvd_zoadam.core.schedule import Schedule, StepKind
 
 
 class OnebitAdam:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from hvd_zoadam.core import step_math
 from hvd_zoadam import native
-from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
+from hvd_zoadam.core import step_math
 from hvd_zoadam.core.algorithms import StepContext
+from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
 
 
 class ZeroOneAdam:
