@@ -45,15 +45,19 @@ import os
 import pickle
 import re
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer
 
 
 class CheckpointError(ValueError):
     """A checkpoint file is unreadable, truncated, or was written for another model/optimizer."""
 
 
-def atomic_save(obj, path: str) -> None:
+def atomic_save(obj: object, path: str) -> None:
     """``torch.save(obj, path)`` through a temporary file and a rename."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -81,7 +85,7 @@ def rank_path(prefix: str, rank: int) -> str:
     return f"{prefix}.rank{rank}.pt"
 
 
-def save(prefix: str, model: torch.nn.Module, optimizer, **extra) -> None:
+def save(prefix: str, model: torch.nn.Module, optimizer: DistributedAdamOptimizer, **extra: object) -> None:
     """Write ``{prefix}.pt`` (rank 0) and ``{prefix}.rank{r}.pt`` (every rank).
 
     ``extra`` (e.g. ``scheduler=sched.state_dict(), epoch=3``) goes into both files.
@@ -126,7 +130,8 @@ def read(path: str) -> dict:
     return ckpt
 
 
-def load(prefix: str, model: torch.nn.Module, optimizer, *, exact: bool = True, per_group: bool = True) -> dict:
+def load(prefix: str, model: torch.nn.Module, optimizer: DistributedAdamOptimizer, *, exact: bool = True,
+         per_group: bool = True) -> dict:
     """Restore from :func:`save`'s files; returns the ``extra`` dict.
 
     When every rank has its own file from the same world size, each reads it (exact
@@ -299,7 +304,7 @@ def _split(prefix: str, common: dict, state: dict, optimizer, params: set) -> tu
             "exp_avg": {pid: (v.double() + m_spread[pid] * new / old).to(v.dtype) for pid, v in m_mean.items()}}, None
 
 
-def group_worker_error(optimizer, state: dict, members: list) -> dict:
+def group_worker_error(optimizer: DistributedAdamOptimizer, state: dict, members: list) -> dict:
     """``optimizer``'s rank's worker error from the saving ranks' own states: of P saving ranks split
     into P' contiguous groups (:func:`old_ranks`, empty at P' > P),
     rank r' takes ``(P'/P)·Σ_{i∈G_r'} e_i`` (float64 sum in rank order, then float32). The

@@ -138,7 +138,7 @@ def report(ranks_per_host: int | None = None) -> dict:
 
 
 def _print(rep: dict) -> None:
-    def mark(flag):
+    def mark(flag: bool):
         return "[X]" if flag else "[ ]"
     h = rep["horovod"]
     print(f"hvd_zoadam v{rep['hvd_zoadam']}\n\nFront ends:")
@@ -179,7 +179,7 @@ def _print(rep: dict) -> None:
     print(f"kernels: {rep['kernels']}")
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.info", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--ranks-per-host", type=int, default=None, metavar="N",

@@ -22,6 +22,7 @@ argument           dtype, shape            meaning
 from __future__ import annotations
 
 import functools
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ class Plan:
         rank: this rank's index in the process set (which chunk it serves).
     """
 
-    def __init__(self, offsets, padded_numel: int, world_size: int, rank: int):
+    def __init__(self, offsets: list[int] | np.ndarray, padded_numel: int, world_size: int, rank: int):
         self.offsets = np.ascontiguousarray(np.asarray(offsets, dtype=np.int64))
         self.nseg = len(self.offsets) - 1
         self.numel = int(self.offsets[-1])
@@ -174,7 +175,8 @@ def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: 
     return out
 
 
-def worker_pack(y, worker_error, plan: Plan, scales, packed, error_out=None) -> torch.Tensor:
+def worker_pack(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, scales: torch.Tensor, packed: torch.Tensor,
+                error_out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 2 of the worker side: ``packed`` (uint8[N/8]) <- MSB-first bits of z = y + worker_error,
     and the new error z - scale*sign on the real elements into ``error_out`` (float32[N],
     default ``worker_error`` itself; its padding is not written). Returns ``packed``."""
@@ -187,7 +189,8 @@ def worker_pack(y, worker_error, plan: Plan, scales, packed, error_out=None) -> 
     return packed
 
 
-def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None) -> torch.Tensor:
+def worker_compress(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, scales: torch.Tensor,
+                    packed: torch.Tensor, error_out: torch.Tensor | None = None) -> torch.Tensor:
     """The whole worker side of algorithm.md §3: ``scales`` (float32[nseg]) as :func:`worker_scales`,
     ``packed`` and the new error into ``error_out`` as :func:`worker_pack`. Returns ``packed``.
 
@@ -211,7 +214,8 @@ def worker_compress(y, worker_error, plan: Plan, scales, packed, error_out=None)
     return worker_pack(y, worker_error, plan, scales, packed, error_out=eo)
 
 
-def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, scales, error_out=None):
+def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_error: torch.Tensor, plan: Plan,
+                  packed: torch.Tensor, scales: torch.Tensor, error_out: torch.Tensor | None = None):
     """Average the P received chunks with their scales, add ``server_error``, recompress.
 
     ``recv``: uint8[P, C/8]; ``all_worker_scales``: float32[P, nseg]; writes
@@ -238,7 +242,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan: Plan, packed, sca
     return packed, scales
 
 
-def decompress(packed, all_server_scales, plan: Plan, out) -> torch.Tensor:
+def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, plan: Plan, out: torch.Tensor) -> torch.Tensor:
     """``out[j] = server_scale[chunk(j), segment(j)] * sign_j`` for the n real elements.
 
     ``packed``: uint8[N/8], the allgathered server chunks; ``all_server_scales``:
@@ -252,7 +256,8 @@ def decompress(packed, all_server_scales, plan: Plan, out) -> torch.Tensor:
     return out
 
 
-def decompress_momentum(packed, all_server_scales, plan: Plan, exp_avg, beta1: float) -> torch.Tensor:
+def decompress_momentum(packed: torch.Tensor, all_server_scales: torch.Tensor, plan: Plan, exp_avg: torch.Tensor,
+                        beta1: float) -> torch.Tensor:
     """COMPRESSED step 2 (algorithm.md §2) straight from the packed result, without materialising ĝ:
     ``exp_avg <- exp_avg + (1 - beta1) * (ĝ - exp_avg)`` (``torch.lerp`` form, float32).
 
@@ -275,7 +280,7 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def all_finite_many(tensors) -> bool:
+def all_finite_many(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite: :func:`all_finite` per CPU tensor
     (stopping at the first non-finite one), one host synchronisation in all for the rest."""
     tensors = list(tensors)
@@ -332,7 +337,7 @@ def _kernel_matches_torch() -> bool:
     return True
 
 
-def local_step_fused(*tensors) -> bool:
+def local_step_fused(*tensors: torch.Tensor) -> bool:
     """Whether :func:`local_step` and :func:`local_window_update` take these tensors in one Numba
     pass: float32, contiguous, on the CPU, and the kernel matches torch's rounding here (else
     the torch ops run)."""
@@ -341,7 +346,7 @@ def local_step_fused(*tensors) -> bool:
 
 
 def local_step_fuses(*, weight: float, step_size: float = 0.0, decay: float = 1.0, l2: float = 0.0,
-                     bound_factor=None) -> bool:
+                     bound_factor: float | None = None) -> bool:
     """Whether the kernels reproduce torch's ops for these scalars (:func:`reference.local_step`'s
     arguments). Left to the torch ops: a ``weight`` that is 1 in float32 (β1 = 0 or nearly),
     where torch's own vector loop and scalar tail give zeros of different signs, which no one
@@ -368,7 +373,8 @@ def _flat(*tensors) -> list:
     return [t.detach().reshape(-1).numpy() for t in tensors]
 
 
-def local_step(grad, param, exp_avg, denom, *, mask=None, **step) -> None:
+def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, *,
+               mask: torch.Tensor | None = None, **step: float | None) -> None:
     """A LOCAL step on one tensor, in place, bitwise :func:`reference.local_step` (same
     arguments): on the CPU one pass (:func:`local_step_fused`) instead of a clamp and five torch
     ops, which reads g where it is (``p.grad``) and writes x where it lives (the parameter)."""
@@ -379,8 +385,9 @@ def local_step(grad, param, exp_avg, denom, *, mask=None, **step) -> None:
                    *_scalars(**step))
 
 
-def local_window_update(grad, param, exp_avg, denom, anchor, out, *, decay_product: float = 1.0, mask=None,
-                        **step) -> bool:
+def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                        anchor: torch.Tensor, out: torch.Tensor, *, decay_product: float = 1.0,
+                        mask: torch.Tensor | None = None, **step: float | None) -> bool:
     """SYNC steps 1–3 on one tensor, bitwise :func:`reference.local_window_update` (same
     arguments and result): on the CPU one pass that writes only ``out``, and counts the
     non-finite gradients on the way. Returns whether ``grad`` is all finite."""
@@ -392,7 +399,8 @@ def local_window_update(grad, param, exp_avg, denom, anchor, out, *, decay_produ
     return bad == 0
 
 
-def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product: float = 1.0) -> None:
+def sync_rebuild(w: torch.Tensor, anchor: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                 factor: float, decay_product: float = 1.0) -> None:
     """SYNC steps 5-7 (algorithm.md §2) from an unpacked ``w`` in parameter units (preconditioned, no
     mask): the window's decay on the anchor (``anchor ← anchor·decay_product``), then
     ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
@@ -406,7 +414,7 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
     reference.sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product)
 
 
-def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:
+def sync_prepare(param: torch.Tensor, anchor: torch.Tensor, decay_product: float, out: torch.Tensor) -> torch.Tensor:
     """SYNC steps 2-3 (algorithm.md §2) in parameter units: ``out = anchor·decay_product − param``
     (the anchor itself unchanged), bitwise :func:`hvd_zoadam.core.step_math.sync_prepare` with
     ``preconditioned=True``; one pass on the CPU instead of two. All float32[n]. Returns ``out``."""
@@ -421,8 +429,10 @@ def sync_prepare(param, anchor, decay_product: float, out) -> torch.Tensor:
 _NO_MASK = np.zeros(0, dtype=np.bool_)
 
 
-def decompress_sync(packed, all_server_scales, plan: Plan, *, anchor, param, exp_avg, denom, factor: float,
-                    decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
+def decompress_sync(packed: torch.Tensor, all_server_scales: torch.Tensor, plan: Plan, *, anchor: torch.Tensor,
+                    param: torch.Tensor | list[torch.Tensor], exp_avg: torch.Tensor, denom: torch.Tensor,
+                    factor: float, decay_product: float = 1.0, mask: torch.Tensor | None = None,
+                    preconditioned: bool = True) -> None:
     """SYNC steps 5-7 (algorithm.md §2) straight from the packed result w, bitwise as
     :func:`hvd_zoadam.core.step_math.sync_finish` after ``anchor.mul_(decay_product)``:
 
@@ -484,7 +494,7 @@ def _decompress_sync_into(packed, all_server_scales, plan: Plan, params, **kw) -
 _warm = set()
 
 
-def warm_up(device=None) -> None:
+def warm_up(device: torch.device | str | None = None) -> None:
     """Compile (or load from numba's cache) the kernels for float32 inputs, on tiny arrays.
 
     ``device``: the tensors' device (default the CPU). The CPU kernels are always warmed; a

@@ -43,7 +43,7 @@ SHARED = {
 Y = {"f32": "float32[::1]", "f16": "int16[::1]", "bf16": "int16[::1]"}
 
 
-def jobs(nc) -> list:
+def jobs(nc: types.ModuleType) -> list:
     """(name, python function, signature string or None) for every kernel of the module ``nc``:
     the per-dtype ones of ``nc._kernels`` and every module-level kernel (not device function),
     so that a kernel added without a signature here fails the check instead of escaping it."""
@@ -60,7 +60,7 @@ def jobs(nc) -> list:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cc", default="9.0", help="compute capability, major.minor (default 9.0, Hopper)")
     ap.add_argument("--torch-site", help="a site-packages folder with torch, appended to sys.path")

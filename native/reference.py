@@ -21,7 +21,12 @@ Conventions shared by every function here:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -55,14 +60,15 @@ def _expand(scales: torch.Tensor, offsets, start: int, stop: int) -> torch.Tenso
     return out
 
 
-def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, offsets) -> torch.Tensor:
+def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, offsets: list[int] | np.ndarray) -> torch.Tensor:
     """Per-segment scale of ``z = y + worker_error``: float32[nseg]."""
     z = y + worker_error
     return torch.stack([_segment_scale(z[int(offsets[i]):int(offsets[i + 1])])
                         for i in range(len(offsets) - 1)]) if len(offsets) > 1 else torch.zeros(0)
 
 
-def worker_pack(y, worker_error, offsets, scales) -> torch.Tensor:
+def worker_pack(y: torch.Tensor, worker_error: torch.Tensor, offsets: list[int] | np.ndarray,
+                scales: torch.Tensor) -> torch.Tensor:
     """Sign-pack ``z = y + worker_error`` and set ``worker_error <- z - scale*sign``.
 
     Returns uint8[padded_numel / 8]. ``worker_error`` is updated in place.
@@ -74,7 +80,7 @@ def worker_pack(y, worker_error, offsets, scales) -> torch.Tensor:
 
 
 def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_error: torch.Tensor,
-                  offsets, chunk_start: int):
+                  offsets: list[int] | np.ndarray, chunk_start: int):
     """Server side for one chunk (algorithm.md §3).
 
     Args:
@@ -106,7 +112,8 @@ def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_er
     return pack_signs(c), scales
 
 
-def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets, numel: int) -> torch.Tensor:
+def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets: list[int] | np.ndarray,
+               numel: int) -> torch.Tensor:
     """Unpack the allgathered server chunks: float32[numel] (padding cut off).
 
     ``packed``: uint8[padded_numel/8], chunks of ranks 0..P-1 in order;
@@ -122,7 +129,8 @@ def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets, n
     return out[:numel]
 
 
-def decompress_momentum(packed, all_server_scales, offsets, exp_avg: torch.Tensor, beta1: float) -> torch.Tensor:
+def decompress_momentum(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets: list[int] | np.ndarray,
+                        exp_avg: torch.Tensor, beta1: float) -> torch.Tensor:
     """COMPRESSED step 2 (algorithm.md §2) from the packed result: ``exp_avg <- exp_avg + (1-β1)·(ĝ - exp_avg)``.
 
     Each operation rounds to float32 once, in this order (the kernels do the same).
@@ -133,7 +141,8 @@ def decompress_momentum(packed, all_server_scales, offsets, exp_avg: torch.Tenso
     return exp_avg.add_((g - exp_avg) * w)
 
 
-def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product: float = 1.0, mask=None,
+def sync_rebuild(w: torch.Tensor, anchor: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                 factor: float, decay_product: float = 1.0, mask: torch.Tensor | None = None,
                  preconditioned: bool = True) -> None:
     """SYNC steps 5-7 (algorithm.md §2) from the exchanged window update ``w``: the one torch
     home of the rebuild formula, which every other path calls or matches bitwise.
@@ -159,16 +168,19 @@ def sync_rebuild(w, anchor, param, exp_avg, denom, factor: float, decay_product:
     anchor.copy_(param)
 
 
-def decompress_sync(packed, all_server_scales, offsets, *, anchor, param, exp_avg, denom, factor: float,
-                    decay_product: float = 1.0, mask=None, preconditioned: bool = True) -> None:
+def decompress_sync(packed: torch.Tensor, all_server_scales: torch.Tensor, offsets: list[int] | np.ndarray, *,
+                    anchor: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                    factor: float, decay_product: float = 1.0, mask: torch.Tensor | None = None,
+                    preconditioned: bool = True) -> None:
     """SYNC steps 5-7 (algorithm.md §2) from the packed result w: :func:`decompress`, then
     :func:`sync_rebuild`. ``factor`` = (1 − β1^t)/Λ."""
     w = decompress(packed, all_server_scales, offsets, anchor.numel())
     sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product, mask, preconditioned)
 
 
-def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, decay: float = 1.0,
-               l2: float = 0.0, bound_factor: float | None = None, mask=None) -> None:
+def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, *, weight: float,
+               step_size: float, decay: float = 1.0, l2: float = 0.0, bound_factor: float | None = None,
+               mask: torch.Tensor | None = None) -> None:
     """A LOCAL (or COMPRESSED) step, algorithm.md §2, in place: the one torch home of its
     formula, which :func:`hvd_zoadam.core.step_math.momentum_step` calls and the CPU kernel matches
     bitwise.
@@ -196,7 +208,9 @@ def local_step(grad, param, exp_avg, denom, *, weight: float, step_size: float, 
     param.addcdiv_(exp_avg, denom, value=step_size)
 
 
-def local_window_update(grad, param, exp_avg, denom, anchor, out, decay_product: float = 1.0, **step) -> bool:
+def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                        anchor: torch.Tensor, out: torch.Tensor, decay_product: float = 1.0,
+                        **step: float | None) -> bool:
     """SYNC steps 1–3 (algorithm.md §2) with x and m left as they are: x' from
     :func:`local_step` (its keyword arguments ``step``) on copies, then the window's update in
     parameter units, ``out = anchor·decay_product − x'`` (``anchor − x'`` when decay_product is

@@ -238,3 +238,22 @@ def test_no_test_package_shadows_a_gpu_stack_module():
     assert packages, "tests/ should hold the GPU tests' package"
     assert not packages & GPU_STACK_NAMES, (
         f"test packages {sorted(packages & GPU_STACK_NAMES)} would shadow the modules of that name")
+
+
+def test_every_public_function_annotates_its_parameters():
+    """Every public function and method of the package and of ``native/`` (but the Numba
+    kernels of ``native/cpu.py`` and ``native/cuda.py``, typed by the table of
+    :mod:`hvd_zoadam.native`) annotates each of its parameters."""
+    files = [f for f in list((ROOT / "hvd_zoadam").rglob("*.py")) + list((ROOT / "native").glob("*.py"))
+             if f.name not in ("cpu.py", "cuda.py") or f.parent.name != "native"]
+    missing = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    (not node.name.startswith("_") or node.name == "__init__"):
+                a = node.args
+                args = [x for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg]
+                        if x is not None and x.arg not in ("self", "cls")]
+                missing += [f"{f.relative_to(ROOT)}:{node.lineno} {node.name}({x.arg})" for x in args
+                            if x.annotation is None]
+    assert not missing, missing[:20]

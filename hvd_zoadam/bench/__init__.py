@@ -1,18 +1,22 @@
 """Benchmarks: ``python -m hvd_zoadam.bench {network,step,model,kernels,convergence,scaling,resume,
 load,chaos}`` (:mod:`.cli`), each printing JSON, and the simulated hosts of :mod:`.netsim`.
 Nothing in the library imports this package."""
+from __future__ import annotations
+
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, when the package runs from one
 
 
-def provenance(argv=None, root=None, kernels=None) -> dict:
+def provenance(argv: list[str] | None = None, root: str | Path | None = None,
+               kernels: str | Path | None = None) -> dict:
     """Where a report's figures came from, for the JSON of every benchmark.
 
     ``commit``: the git commit of the hvd_zoadam checkout that ran, ``+changes`` appended when
@@ -28,7 +32,7 @@ def provenance(argv=None, root=None, kernels=None) -> dict:
     whether they came from one. ``root``: the checkout to read (default: :data:`ROOT`)."""
     root = ROOT if root is None else Path(root).resolve()
 
-    def git(*args):
+    def git(*args: str):
         try:
             out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
@@ -59,7 +63,8 @@ def provenance(argv=None, root=None, kernels=None) -> dict:
             "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
-def group_loss(model, batch, loss_fn, data_ranks: int, world_size: int, rank: int):
+def group_loss(model: torch.nn.Module, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+               loss_fn: Callable[..., torch.Tensor], data_ranks: int, world_size: int, rank: int):
     """Rank ``rank``'s loss on the same global batch at any world size, for benchmarks that
     resume at another one: of the ``data_ranks`` batches of a step (``batch(i)`` gives batch i
     as ``(x, y)``), its contiguous group's (:func:`hvd_zoadam.checkpoint.old_ranks`), weighted

@@ -43,6 +43,12 @@ import contextlib
 import functools
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from hvd_zoadam.comm.transport import Transport
 
 LABELS = ("forward_backward", "early_start", "optimizer", "kernels", "packing", "wire", "waiting_for_slowest", "other")
 _EXCHANGE_PHASES = ("start", "serve", "gather_status", "commit", "rollback")
@@ -125,7 +131,7 @@ class Breakdown:
 
     def _timed(self, fn, label: str, kernel: str | None = None):
         @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: object, **kwargs: object):
             if threading.get_ident() != self._thread:  # another thread-rank's call
                 return fn(*args, **kwargs)
             self._enter(label, kernel)
@@ -141,7 +147,7 @@ class Breakdown:
         setattr(owner, attr, new)
 
     # -- installation -------------------------------------------------------------------------
-    def install(self, transport=None) -> "Breakdown":
+    def install(self, transport: Transport | None = None) -> "Breakdown":
         """Wrap the kernels, the protocol phases and ``transport``'s collectives (an hvd_zoadam
         optimizer's ``transport``; None: only the benchmark's own regions are timed).
         :meth:`uninstall` puts everything back (uninstall several in the reverse order). Only the
@@ -162,7 +168,7 @@ class Breakdown:
             return self
         start, wait = transport.start, transport.wait
 
-        def timed_start(op, tensor, name, count=True):
+        def timed_start(op: str, tensor: torch.Tensor, name: str, count: bool = True):
             self._enter("wire")
             record = [self._step, op, name, self._last, []]
             if self._recording:
@@ -178,12 +184,12 @@ class Breakdown:
 
         flag = transport.allgather_flag
 
-        def timed_flag(tensor, name):
+        def timed_flag(tensor: torch.Tensor, name: str):
             # one record for the flag, whatever start/wait calls the transport makes inside
             with self.collective("flag", name):
                 return flag(tensor, name)
 
-        def timed_wait(handle):
+        def timed_wait(handle: object):
             record = self._handles.pop(id(handle), None)
             self._enter("wire")
             t0 = self._last

@@ -53,8 +53,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from hvd_zoadam.bench.netsim import Network
 
 KINDS = {"kill-between": 0.2, "kill-exchange": 0.25, "kill-save": 0.15, "disk-full": 0.1,
          "link-down": 0.15, "link-degraded": 0.15}
@@ -95,7 +101,7 @@ def _arm_exchange_kill(opt, step: int, phase: str):
     1-bit exchange at or after ``step``."""
     start = opt.transport.start
 
-    def start_or_die(op, tensor, name, count=True):
+    def start_or_die(op: str, tensor: torch.Tensor, name: str, count: bool = True):
         at = opt.schedule_state()["step"] + 1
         if at >= step and name.endswith("." + phase):
             _die(f"kill-exchange at step {at} ({name})")
@@ -109,7 +115,7 @@ def _arm_save_fault(kind: str, rank: int, step: int):
     from hvd_zoadam import checkpoint
     save = checkpoint.atomic_save
 
-    def faulty_save(obj, path):
+    def faulty_save(obj: object, path: str):
         head = Path(path).name.split(".")[0]
         saved_at = int(head[1:]) if head[:1] == "s" and head[1:].isdigit() else -1
         if path.endswith(f".rank{rank}.pt") and saved_at >= step:
@@ -162,7 +168,7 @@ def _arm(args, opt, rank: int) -> int | None:
     return int(step) if kind == "kill-between" else None
 
 
-def worker(args) -> None:
+def worker(args: argparse.Namespace) -> None:
     """One rank: resume if asked, train to ``--steps``, save every ``--save-every`` steps, and
     write ``final.rank{r}.pt`` (the parameters) at the end."""
     from hvd_zoadam import checkpoint
@@ -193,7 +199,7 @@ def worker(args) -> None:
 
 # -- the supervisor --------------------------------------------------------------------------
 
-def plan_fault(rng: random.Random, start: int, args, world_size: int) -> dict:
+def plan_fault(rng: random.Random, start: int, args: argparse.Namespace, world_size: int) -> dict:
     """One fault: a kind (weighted by :data:`KINDS`), a step in ``start + 1 .. start +
     2·--mean-gap`` (at most ``--steps``), a rank (for a link fault: its host), and the kind's
     details. Pure given ``rng``'s state."""
@@ -209,7 +215,8 @@ def plan_fault(rng: random.Random, start: int, args, world_size: int) -> dict:
     return fault
 
 
-def plan_attempt(rng: random.Random, start: int, budget: int, args, world_size: int) -> list[dict]:
+def plan_attempt(rng: random.Random, start: int, budget: int, args: argparse.Namespace,
+                 world_size: int) -> list[dict]:
     """An attempt's faults on ``world_size`` ranks, in step order: link faults (which the job
     may survive) until one that kills a rank or fails a save, at most ``budget`` and at most 4."""
     plan = []
@@ -327,7 +334,8 @@ def _leftovers(run_dir: Path) -> list[int]:
     return [int(p) for p in found]
 
 
-def run_attempt(net, args, run_dir: Path, resume: str | None, start: int, plan: list, world_size: int) -> dict:
+def run_attempt(net: Network, args: argparse.Namespace, run_dir: Path, resume: str | None, start: int, plan: list,
+                world_size: int) -> dict:
     """One ``mpirun`` of the job from ``resume`` (None: from scratch) with the faults of ``plan``.
     A hang is no progress line for ``--timeout`` + the longest outage + 90 s (launch and JIT
     on a loaded machine), or a rank left alive after ``mpirun`` ended."""
@@ -408,13 +416,13 @@ def _finals(run_dir: Path, ranks: int) -> list:
     return [torch.load(run_dir / f"final.rank{r}.pt", weights_only=True) for r in range(ranks)]
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """The chaos run and the uninterrupted run of the same seed, side by side (JSON)."""
     import tempfile
 
     from hvd_zoadam.bench.netsim import Network
 
-    def on_term(signum, _frame):  # unwind, so that `with Network(...)` removes its namespaces
+    def on_term(signum: int, _frame: FrameType | None):  # unwind, so that `with Network(...)` removes its namespaces
         raise SystemExit(128 + signum)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_term)
@@ -436,7 +444,7 @@ def run(args) -> dict:
                 "val_loss"] - 1, "seconds_uninterrupted": t1 - t0, "seconds_chaos": time.perf_counter() - t1}
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     ap = sub.add_parser("chaos", help="faults at random over a long run, restarts from checkpoints (needs root)")
     ap.add_argument("--ranks", type=int, default=3, help="world size, one rank per simulated host")
     ap.add_argument("--steps", type=int, default=3000)
@@ -456,7 +464,7 @@ def add_parser(sub) -> None:
     ap.set_defaults(run=run)
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """The worker's entry point (one rank under ``mpirun``; the supervisor starts it)."""
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench.chaos")
     ap.add_argument("--dir", required=True)

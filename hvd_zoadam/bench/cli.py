@@ -23,7 +23,7 @@ from hvd_zoadam.bench import chaos, convergence, kernels, load, model, network, 
 COMMANDS = (network, step, kernels, model, convergence, resume, load, chaos, torchrun)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for command in COMMANDS:

@@ -43,6 +43,8 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -99,7 +101,7 @@ def _grad_fn(work: Workload, names, args, curve=None):
     params = dict(model.named_parameters())
     every = getattr(args, "eval_every", 0)
 
-    def grad_fn(step, rank, xs):
+    def grad_fn(step: int, rank: int, xs: list[torch.Tensor]):
         if curve is not None and every and step > 1 and (step - 1) % every == 0:
             curve.setdefault(step - 1, []).append(_val_loss(work, names, [xs]))
         with torch.no_grad():
@@ -124,12 +126,12 @@ def _batched_grad_fn(work: Workload, names, args, curve=None):
     shapes = [p.shape for p in work.model.parameters()]
     every = getattr(args, "eval_every", 0)
 
-    def loss(params, x, y):
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         return work.loss(torch.func.functional_call(work.model, params, (x,)), y)
     chunk = _chunk_size(args)
     grads = torch.func.vmap(torch.func.grad(loss), chunk_size=chunk)
 
-    def grad_fn(step, xs):
+    def grad_fn(step: int, xs: torch.Tensor):
         if curve is not None and every and step > 1 and (step - 1) % every == 0:
             same = xs.stride(0) == 0  # one x for every rank (Adam's): evaluate it once
             losses = _val_losses(work, names, xs[:1] if same else xs, chunk)
@@ -241,7 +243,7 @@ def baseline_row(path: str, settings: dict) -> dict:
     return {**{k: adam[k] for k in keep if k in adam}, "baseline_json": str(path)}
 
 
-def run(args, examples) -> dict:
+def run(args: argparse.Namespace, examples: Callable[[str], ModuleType]) -> dict:
     """The convergence report (see the module docstring). ``examples``: a function of the
     example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module. With
     ``args.json`` the report so far is rewritten after each variant (a run stopped midway keeps
@@ -455,7 +457,7 @@ def _add_knobs(parser) -> None:
     parser.add_argument("--json")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     co = sub.add_parser("convergence", help="0/1 Adam's validation loss at P simulated workers, one factor "
                                             "switched off at a time, against AdamW on the exact average")
     co.add_argument("--ranks", type=int, default=8)
@@ -490,7 +492,7 @@ SCALING_KEYS = ("val_loss", "vs_adam", "bytes_per_rank", "bytes_vs_adam", "betwe
                 "between_nodes_vs_adam", "rounds", "kinds", "diverged", "wall_s")
 
 
-def run_scaling(args, examples) -> dict:
+def run_scaling(args: argparse.Namespace, examples: Callable[[str], ModuleType]) -> dict:
     """``bench scaling``: :func:`run` at each P of ``--ranks`` with the variants ``zoadam`` and,
     where nodes of L = ``--ranks-per-node`` make at least two, ``two-level``; per P the
     rows' losses, gaps to Adam and bytes. With ``--json`` the file is rewritten after each P."""

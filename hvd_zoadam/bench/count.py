@@ -30,10 +30,16 @@ import os
 import subprocess
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    import argparse
+
+    from hvd_zoadam.comm.transport import Transport
 
 SYNC_OPS = {"_local_scalar_dense", "equal", "is_nonzero", "nonzero"}
 DIVISOR = 1024  # the counted model is the reference layout this many times smaller
@@ -87,7 +93,7 @@ class Launches:
     :mod:`hvd_zoadam.native.cpu` and CUDA kernel launches (the simulator's or numba-cuda's), and the
     bytes of their array arguments. A context manager; restores what it patched."""
 
-    def __init__(self, thread):
+    def __init__(self, thread: threading.Thread):
         self.thread = thread
         self.launches = 0
         self.bytes = 0
@@ -119,7 +125,7 @@ class Launches:
         return self
 
     def _wrap(self, module, name, fn):
-        def counted(*args, **kwargs):
+        def counted(*args: object, **kwargs: object):
             self._seen(args)
             return fn(*args, **kwargs)
         setattr(module, name, counted)
@@ -128,7 +134,7 @@ class Launches:
     def _wrap_call(self, cls, is_launch):
         original = cls.__call__
 
-        def counted(kernel, *args, **kwargs):
+        def counted(kernel: object, *args: object, **kwargs: object):
             if is_launch(kernel):
                 self._seen(args)
             return original(kernel, *args, **kwargs)
@@ -179,7 +185,7 @@ def count(path: str, world_size: int, divisor: int = DIVISOR) -> dict:
     cap = scaled_model(divisor)[1]
     report = {"path": path, "world_size": world_size, "divisor": divisor, "bucket_cap_mb": cap, "kinds": {}}
 
-    def body(rank, transport, knobs, out):
+    def body(rank: int, transport: Transport, knobs: dict, out: dict):
         model = scaled_model(divisor)[0]
         gen = torch.Generator().manual_seed(1 + rank)
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -244,7 +250,7 @@ def _counting_tolist(mode: Counter):
     host synchronisation of ``mode``'s thread when hvd_zoadam's code calls it."""
     original, thread = torch.Tensor.tolist, threading.current_thread()
 
-    def tolist(t):
+    def tolist(t: torch.Tensor):
         if threading.current_thread() is thread and _from_hvd_zoadam():
             mode.host_syncs += 1
         return original(t)
@@ -258,13 +264,13 @@ def _counting_tolist(mode: Counter):
 def _count_calls(obj, name: str, calls: dict) -> None:
     original = getattr(obj, name)
 
-    def counted(*args, **kwargs):
+    def counted(*args: object, **kwargs: object):
         calls["collectives"] += 1
         return original(*args, **kwargs)
     setattr(obj, name, counted)
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """``bench step --count``; with ``--path cuda-sim`` and the simulator off, runs itself again
     with ``NUMBA_ENABLE_CUDASIM=1`` (numba reads it at import) and returns that run's report."""
     from numba import config

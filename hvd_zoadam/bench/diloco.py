@@ -35,7 +35,7 @@ def _my_address(master: str) -> str:
         return s.getsockname()[0]
 
 
-def parse(argv=None):
+def parse(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True, help="diloco-h<H>")
     for name, default in (("--steps", 60), ("--warmup", 12), ("--skip", 3), ("--n-layer", 4), ("--n-embd", 256),
@@ -68,7 +68,7 @@ def _manager(args, rank: int, world: int, me: str, model, inner):
     return store, manager
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None):
     from torchft._torchft import LighthouseServer
     from torchft.local_sgd import DiLoCo
 

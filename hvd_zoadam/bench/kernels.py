@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
 
 KERNEL_TARGETS = {"cpu": {"worker_compress": 0.5, "decompress_momentum": 0.5},
                   "cuda": {k: 0.6 for k in ("worker_compress", "server_reduce", "decompress",
                                             "decompress_momentum", "decompress_sync")}}
 
 
-def cmd_kernels(args) -> dict:
+def cmd_kernels(args: argparse.Namespace) -> dict:
     """The compressor kernels at ``--numel`` elements against the copy bandwidth of the same run.
 
     GB/s counts each kernel's main input: the bytes of y for worker_compress (``--dtype``),
@@ -118,7 +124,7 @@ def _kernels(t: SimpleNamespace) -> dict:
     from hvd_zoadam import native
     n, big, c = t.n, t.big, t.big // t.p
 
-    def sync(param, **kw):
+    def sync(param: torch.Tensor | list[torch.Tensor], **kw: float):
         return lambda: native.decompress_sync(t.packed, t.wscales, t.plan, anchor=t.anchor, param=param,
                                               exp_avg=t.m, denom=t.denom, factor=0.5, **kw)
     return {
@@ -140,7 +146,7 @@ def _kernels(t: SimpleNamespace) -> dict:
                                     4 * n, big // 8 + 28 * n),            # and x read, the parameters written
     }
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     ke = sub.add_parser("kernels", help="the 1-bit compressor kernels against copy bandwidth")
     ke.add_argument("--numel", type=int, default=1 << 24)
     ke.add_argument("--threads", type=int, default=1)

@@ -48,6 +48,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import torch
@@ -75,7 +77,8 @@ def _train_lm():
     return example_module("train_lm")
 
 
-def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: int = 60, warmup_help=None,
+def add_model_arguments(group: argparse.ArgumentParser | argparse._ArgumentGroup, *, n_layer: int = 2,
+                        n_embd: int = 128, warmup: int = 60, warmup_help: str | None = None,
                         eval_batches: int = 8) -> None:
     """The char LM's size and training arguments shared by ``bench convergence``, ``bench
     resume`` and the ranks of ``bench network``: --n-layer, --n-embd, --n-head, --block-size,
@@ -91,7 +94,8 @@ def add_model_arguments(group, *, n_layer: int = 2, n_embd: int = 128, warmup: i
     group.add_argument("--seed", type=int, default=1234)
 
 
-def backward_on_batch(model, opt, lm, data, args, gen):
+def backward_on_batch(model: torch.nn.Module, opt: torch.optim.Optimizer, lm: ModuleType, data: torch.Tensor,
+                      args: argparse.Namespace, gen: torch.Generator):
     """One step's data and gradients: the next batch from ``gen``, ``opt.zero_grad()``, the
     cross-entropy of ``model`` on it and its backward pass. Returns the loss (a 0-dim tensor)."""
     x, y = lm.get_batch(data, args.batch_size, args.block_size, gen)
@@ -146,7 +150,7 @@ class StepClock:
             self.start = self.stamps[step]
             self.cpu["start"] = thread_cpu_seconds()
 
-    def validate(self, step: int, val_loss) -> None:
+    def validate(self, step: int, val_loss: Callable[[], float]) -> None:
         """Run ``val_loss()`` (a float) outside the timed span."""
         t0 = time.perf_counter()
         val = val_loss()
@@ -167,7 +171,7 @@ class StepClock:
         return cores_used(self.cpu["start"], self.cpu["end"], self.end - self.start)
 
 
-def parse(argv=None):
+def parse(argv: list[str] | None = None):
     # "@FILE": one argument per line (torchrun takes --run and --master for its own options)
     ap = argparse.ArgumentParser(fromfile_prefix_chars="@")
     ap.add_argument("--run", choices=RUNS, required=True)
@@ -439,7 +443,7 @@ def _finish(args, world_state, out: dict, timer) -> None:
         comm.Barrier()
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None):
     args = parse(argv)
     lm = _train_lm()
     torch.set_num_threads(1)

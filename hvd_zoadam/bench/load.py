@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,9 @@ import torch.nn as nn
 from hvd_zoadam.comm.protocol import exchange_bytes
 from hvd_zoadam.core.layout import make_buckets, scale_segments
 from hvd_zoadam.core.schedule import StepKind
+
+if TYPE_CHECKING:
+    import argparse
 
 # One optimizer per kind, with a schedule that makes every timed step that kind (as bench step).
 KIND_CONFIGS = {StepKind.VARIANCE: dict(var_freeze_step=10 ** 9, var_update_scaler=10 ** 9),
@@ -47,7 +51,8 @@ def make_model(name: str, blocks: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)])
 
 
-def formula_bytes(numels, world_size: int, *, bucket_cap_mb: float, scale_block_numel, overlap: bool = True) -> dict:
+def formula_bytes(numels: list[int], world_size: int, *, bucket_cap_mb: float, scale_block_numel: int | None,
+                  overlap: bool = True) -> dict:
     """Bytes one rank sends in one step of each kind, by the transport's formulas over the
     optimizer's buckets (``make_buckets`` at the cap, one dtype, one param group): VARIANCE,
     each bucket's fp32 allreduce, 2(P−1)/P·4·n_b; COMPRESSED and SYNC, each bucket's
@@ -91,7 +96,7 @@ def _timed(step, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """The report of the module docstring (every rank runs it; rank 0's is the one printed)."""
     import horovod.torch as hvd
 
@@ -104,7 +109,7 @@ def run(args) -> dict:
         p.grad = torch.randn(p.shape, generator=gen) * 1e-2
     numels = [p.numel() for p in model.parameters()]
 
-    def build(kind):
+    def build(kind: StepKind):
         return hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
                                                named_parameters=model.named_parameters(),
                                                bucket_cap_mb=args.bucket_cap_mb,
@@ -142,7 +147,7 @@ def run(args) -> dict:
     return out if hvd.rank() == 0 else None
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     lo = sub.add_parser("load", help="many small tensors, or 100 M parameters: bytes against the formulas, step "
                                      "time against Horovod's AdamW, memory_bytes() against RSS (under horovodrun)")
     lo.add_argument("--model", choices=["many-small", "100m"], default="many-small")

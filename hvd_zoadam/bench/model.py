@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hvd_zoadam.bench.network import UNSHAPED, _parse_rate
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def exchange_node_bytes(system: str, *, n: float, p: int, ranks_per_node: int = 1,
@@ -87,7 +91,7 @@ def _node_bytes_per_step(system: str, frac: dict, *, n: float, p: int, ranks_per
     return frac["variance"] * ring(4) + (frac["compressed"] + frac["sync"]) * exchange_node_bytes(system, **kw)
 
 
-def cmd_model(args) -> dict:
+def cmd_model(args: argparse.Namespace) -> dict:
     out = {"benchmark": "model", "formula": step_time.__doc__.strip().split("\n\n")[1].strip()}
     if args.measured:
         rep = json.loads(Path(args.measured).read_text())
@@ -142,7 +146,7 @@ def cmd_model(args) -> dict:
     return out
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     mo = sub.add_parser("model", help="alpha-beta step-time model: validation and BERT-Large projection")
     mo.add_argument("--measured", help="a `bench network` JSON to validate against")
     mo.add_argument("--latency", type=float, default=1e-4, help="alpha on the simulated links, seconds")

@@ -46,6 +46,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 IFACE = "zeth0"
 
@@ -171,7 +175,7 @@ class Network:
                 # its first core) put every rank on core 0, half a core each.
                 "--bind-to", "none"]
 
-    def env(self, base=None) -> dict:
+    def env(self, base: dict | None = None) -> dict:
         env = dict(os.environ if base is None else base)
         env.update(PATH=f"{self.dir}:{env.get('PATH', '')}", ZO_HOSTS=",".join(self.addresses),
                    ZO_SUBNET=self.subnet, ZO_AGENT=str(self.dir / "ssh"), ZO_IFACE=IFACE,
@@ -180,7 +184,7 @@ class Network:
                    PMIX_MCA_ptl_tcp_remote_connections="1", PMIX_MCA_ptl_tcp_if_include=self.subnet)
         return env
 
-    def run(self, cmd: list[str], timeout_s: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+    def run(self, cmd: list[str], timeout_s: float | None = None, **kwargs: object) -> subprocess.CompletedProcess:
         """Run ``cmd`` in the first host's namespace with :meth:`env`."""
         return subprocess.run(["ip", "netns", "exec", self.namespaces[0], *cmd], env=self.env(kwargs.pop("env", None)),
                               timeout=timeout_s, **kwargs)
@@ -192,7 +196,7 @@ class Network:
         self.down()
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvd_zoadam.bench.netsim", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Example: python -m hvd_zoadam.bench.netsim --hosts 2 --rate 100mbit -- "
@@ -209,7 +213,7 @@ def main(argv=None) -> int:
     net = Network(args.hosts, args.rate, args.tag)
     atexit.register(net.down)
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: FrameType | None):
         net.down()
         raise SystemExit(128 + signum)
 

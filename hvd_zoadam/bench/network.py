@@ -30,10 +30,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hvd_zoadam.bench import ROOT
 from hvd_zoadam.bench import breakdown as _breakdown_mod
 from hvd_zoadam.bench.lm import COMPUTE_RUNS
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 RUN_LABELS = {
     "adam": "(a) Horovod AdamW fp32",
@@ -229,14 +233,14 @@ TARGETS = [  # (rate, ratio key, target, text)
 ]
 
 
-def cmd_network(args) -> dict:
+def cmd_network(args: argparse.Namespace) -> dict:
     import signal
 
     from tqdm import tqdm
 
     from hvd_zoadam.bench.netsim import Network
 
-    def on_term(signum, _frame):  # unwind, so every `with Network(...)` removes its namespaces
+    def on_term(signum: int, _frame: FrameType | None):  # unwind, so every `with Network(...)` removes its namespaces
         raise SystemExit(128 + signum)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_term)
@@ -425,7 +429,7 @@ def _parse_rate(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use e.g. 100mbit or 1gbit")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     net = sub.add_parser("network", help="the char LM over shaped links, the systems side by side (needs root)")
     net.add_argument("--rate", action="append", default=None,
                      help="link rate, e.g. 100mbit or 1gbit, or unshaped (the same simulated hosts with no "
@@ -462,6 +466,6 @@ def add_parser(sub) -> None:
     net.set_defaults(run=run)
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     args.rate = args.rate or ["100mbit", "1gbit"]
     return cmd_network(args)

@@ -36,12 +36,19 @@ import sys
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from hvd_zoadam.bench import group_loss
 from hvd_zoadam.bench.lm import add_model_arguments
 from hvd_zoadam.comm.thread import ThreadGroup
+
+if TYPE_CHECKING:
+    import argparse
+    from types import ModuleType
+
+    from hvd_zoadam.comm.transport import Transport
 
 SIZES = (37, 5, 1, 64)
 MODES = ("rank-files", "pooled", "grouped", "zeroed")
@@ -55,7 +62,7 @@ class Regression(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for n in SIZES)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor):
         return x @ torch.cat(list(self.w))
 
 
@@ -75,11 +82,11 @@ class RegressionCase:
     knobs = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
     lr = 0.01
 
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         self.args = args
         self.val = _regression_batch(-1, 0, batch=1024)
 
-    def build(self, transport, steps):
+    def build(self, transport: Transport, steps: int):
         import hvd_zoadam
         model = Regression()
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=self.lr),
@@ -87,11 +94,11 @@ class RegressionCase:
                                               **self.knobs)
         return model, opt, None
 
-    def loss(self, model, step, rank):
+    def loss(self, model: torch.nn.Module, step: int, rank: int):
         x, y = _regression_batch(step, rank)
         return torch.nn.functional.mse_loss(model(x), y)
 
-    def val_loss(self, model) -> float:
+    def val_loss(self, model: torch.nn.Module) -> float:
         with torch.no_grad():
             return torch.nn.functional.mse_loss(model(self.val[0]), self.val[1]).item()
 
@@ -105,15 +112,15 @@ class WindowCase(RegressionCase):
     knobs = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
                  local_step_policy="steps")
 
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         super().__init__(args)
         self.world_size = None
 
-    def build(self, transport, steps):
+    def build(self, transport: Transport, steps: int):
         self.world_size = transport.world_size
         return super().build(transport, steps)
 
-    def loss(self, model, step, rank):
+    def loss(self, model: torch.nn.Module, step: int, rank: int):
         x, y = _regression_batch(step, 0, batch=24)
         x, y = torch.tensor_split(x, self.world_size)[rank], torch.tensor_split(y, self.world_size)[rank]
         return torch.nn.functional.mse_loss(model(x), y)
@@ -125,7 +132,7 @@ class LMCase:
     from a generator seeded by (t, r), so a resumed run sees the batches the uninterrupted
     one would."""
 
-    def __init__(self, args, train_lm):
+    def __init__(self, args: argparse.Namespace, train_lm: ModuleType):
         self.args, self.tl = args, train_lm
         text = train_lm.load_corpus()
         chars = sorted(set(text))
@@ -141,7 +148,7 @@ class LMCase:
         self.val_batches = [train_lm.get_batch(self.valid, a.batch_size, a.block_size, gen)
                             for _ in range(a.eval_batches)]
 
-    def build(self, transport, steps):
+    def build(self, transport: Transport, steps: int):
         import hvd_zoadam
         a = self.args
         self.world_size = transport.world_size
@@ -161,7 +168,7 @@ class LMCase:
         return self.tl.get_batch(self.train, a.batch_size, a.block_size,
                                  torch.Generator().manual_seed(1_000_003 * step + 1009 * a.seed + rank))
 
-    def loss(self, model, step, rank):
+    def loss(self, model: torch.nn.Module, step: int, rank: int):
         """Rank ``rank``'s loss at ``step``. ``--lm-batches per-rank``: its own batch of
         ``--batch-size`` sequences, so a job of P' ranks sees P'/P of the saving job's data per
         step. ``global`` (the default): the saving job's P batches of every step split over the
@@ -171,7 +178,7 @@ class LMCase:
         data_ranks = self.world_size if self.args.lm_batches == "per-rank" else self.args.ranks
         return group_loss(model, lambda i: self._batch(step, i), _cross_entropy, data_ranks, self.world_size, rank)
 
-    def val_loss(self, model) -> float:
+    def val_loss(self, model: torch.nn.Module) -> float:
         with torch.no_grad():
             losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
                       for x, y in self.val_batches]
@@ -187,7 +194,7 @@ def _threads(world_size: int, fn):
     group = ThreadGroup(world_size, timeout_s=600)
     results, errors = [None] * world_size, []
 
-    def body(rank, transport):
+    def body(rank: int, transport: Transport):
         try:
             results[rank] = fn(rank, transport)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -210,7 +217,7 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
     after the checkpoint it saves at step s (``"at_save"``)."""
     from hvd_zoadam import checkpoint
 
-    def body(rank, transport):
+    def body(rank: int, transport: Transport):
         torch.set_num_threads(1)
         # One Numba thread per thread-rank (the setting is per calling thread): with several,
         # kernels called from four threads at once split their reductions differently from
@@ -246,7 +253,7 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
     return _threads(world_size, body)[0]
 
 
-def run(args, train_lm=None) -> dict:
+def run(args: argparse.Namespace, train_lm: ModuleType | None = None) -> dict:
     case = {"regression": RegressionCase, "window": WindowCase}[args.case](args) if args.case != "lm" \
         else LMCase(args, train_lm)
     p, k = args.ranks, args.after
@@ -288,7 +295,7 @@ def _summary(runs: list) -> list:
     return out
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     ap = sub.add_parser("resume", help="what a resume at another world size keeps of the error feedback")
     ap.add_argument("--case", choices=("regression", "window", "lm"), default="regression")
     ap.add_argument("--ranks", type=int, default=4, help="world size of the saving job")

@@ -4,11 +4,15 @@ parameters, each hvd_zoadam step kind against ``torch.optim.AdamW(foreach=True)`
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from hvd_zoadam.bench import breakdown as _breakdown_mod
 
+if TYPE_CHECKING:
+    import argparse
 
-def cmd_step(args) -> dict:
+
+def cmd_step(args: argparse.Namespace) -> dict:
     """The optimizer step alone at P = 1: each hvd_zoadam step kind vs AdamW(foreach=True).
 
     ``--device cuda`` puts the model on the GPU (times end with a device synchronisation).
@@ -120,7 +124,7 @@ def _step_breakdown(opt, iters: int, sync) -> dict:
     return {label: 1e3 * parts[label] for label in ("wall", "optimizer", "kernels", "packing", "wire")}
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("step", help="the optimizer step alone at P = 1 vs AdamW(foreach=True)")
     st.add_argument("--n-layer", type=int, default=4)
     st.add_argument("--n-embd", type=int, default=256)
@@ -138,7 +142,7 @@ def add_parser(sub) -> None:
     st.set_defaults(run=run)
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     if args.count:
         from hvd_zoadam.bench import count
         return count.run(args)

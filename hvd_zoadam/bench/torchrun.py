@@ -16,13 +16,17 @@ import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from hvd_zoadam.bench import ROOT
+
+if TYPE_CHECKING:
+    import argparse
 
 SCRIPT = ROOT / "examples" / "train_torchrun.py"
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     ap = sub.add_parser("torchrun", help="0/1 Adam against DDP + AdamW under torchrun on a user's script")
     ap.add_argument("--nproc-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=400)
@@ -33,7 +37,7 @@ def add_parser(sub) -> None:
     ap.set_defaults(run=run)
 
 
-def run_once(optimizer: str, args) -> dict:
+def run_once(optimizer: str, args: argparse.Namespace) -> dict:
     """One torchrun job of the script; its rank 0's JSON line, with the job's own wall time."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.nproc_per_node), str(SCRIPT), "--optimizer", optimizer, "--steps", str(args.steps),
@@ -47,7 +51,7 @@ def run_once(optimizer: str, args) -> dict:
     return {**json.loads(line), "job_s": round(time.perf_counter() - start, 2)}
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     if not SCRIPT.exists():
         raise FileNotFoundError(f"{SCRIPT} not found: bench torchrun runs the checkout's examples/train_torchrun.py")
     runs, ratios = [], []

@@ -13,11 +13,13 @@ bench); the validation batches are fixed.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import glob
 import os
 import sysconfig
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -53,7 +55,7 @@ def _char_workload(train_lm, args, data: torch.Tensor, make_model) -> Workload:
                     lambda t: args.lr * lam(t - 1))
 
 
-def lm_workload(train_lm, args) -> Workload:
+def lm_workload(train_lm: ModuleType, args: argparse.Namespace) -> Workload:
     """The char LM of examples/train_lm.py (:func:`_char_workload` on its corpus)."""
     text = train_lm.load_corpus()
     chars = sorted(set(text))
@@ -63,7 +65,7 @@ def lm_workload(train_lm, args) -> Workload:
                                                                          args.n_embd, args.n_head))
 
 
-def digits_workload(train_digits, args) -> Workload:
+def digits_workload(train_digits: ModuleType, args: argparse.Namespace) -> Workload:
     """The CNN of examples/train_digits.py on scikit-learn's digits: each rank draws
     ``args.batch_size`` images at random from the whole training split (80 %), the validation
     loss is over the test split in one batch, and the learning rate is ``args.lr`` throughout
@@ -71,7 +73,7 @@ def digits_workload(train_digits, args) -> Workload:
     (xtr, ytr), val = train_digits.load(args.seed)
     torch.manual_seed(args.seed)
 
-    def batch(g):
+    def batch(g: torch.Generator):
         idx = torch.randint(len(ytr), (args.batch_size,), generator=g)
         return xtr[idx], ytr[idx]
     return Workload(train_digits.make_model(), batch, F.cross_entropy, [val], lambda t: args.lr)
@@ -105,7 +107,7 @@ class CharGRU(nn.Module):
         self.hh = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor):
         x = self.tok(idx)
         for ih, hh in zip(self.ih, self.hh):
             h = x.new_zeros(x.shape[0], x.shape[2])
@@ -120,13 +122,13 @@ class CharGRU(nn.Module):
         return self.head(x)
 
 
-def gru_workload(train_lm, args) -> Workload:
+def gru_workload(train_lm: ModuleType, args: argparse.Namespace) -> Workload:
     """:class:`CharGRU` (``args.n_layer`` layers of width ``args.n_embd``) on :func:`stdlib_corpus`
     (:func:`_char_workload`: train_lm's batches and learning rate)."""
     return _char_workload(train_lm, args, stdlib_corpus(), lambda: CharGRU(128, args.n_embd, args.n_layer))
 
 
-def build(name: str, examples, args) -> Workload:
+def build(name: str, examples: Callable[[str], ModuleType], args: argparse.Namespace) -> Workload:
     """The workload ``name`` (``"lm"``, ``"digits"`` or ``"gru"``); ``examples``: a function of an
     example's name (``"train_lm"``, ``"train_digits"``) that gives it as a module."""
     if name == "lm":

@@ -21,11 +21,15 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hvd_zoadam.comm.horovod import HorovodTransport
 from hvd_zoadam.comm.transport import CollectiveTimeoutError
+
+if TYPE_CHECKING:
+    from horovod.common.process_sets import ProcessSet
 
 
 def gloo_unavailable_reason() -> str | None:
@@ -91,7 +95,7 @@ class GlooTransport(HorovodTransport):
 
     name = "gloo"
 
-    def __init__(self, process_set=None, timeout_s: float | None = None):
+    def __init__(self, process_set: ProcessSet | None = None, timeout_s: float | None = None):
         reason = gloo_unavailable_reason()
         if reason is not None:
             raise ValueError(f"transport='gloo' cannot work here: {reason}")
@@ -126,7 +130,7 @@ class GlooTransport(HorovodTransport):
             work = self._group._allgather_base(out, send_bytes)
         return GlooHandle(work, op, name, nbytes, send_bytes, out, send.dtype, send.device)
 
-    def wait(self, handle):
+    def wait(self, handle: object):
         if not isinstance(handle, GlooHandle):  # Horovod's allreduce, or done inside start()
             return super().wait(handle)
         deadline, pause = time.monotonic() + self.timeout_s, 0.0

@@ -24,6 +24,8 @@ in step 3, inside the node; the flat formula at world size N for shard l in step
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from hvd_zoadam import native
@@ -38,7 +40,7 @@ def intra_node_bytes(width: int) -> tuple[int, int]:
     return 4 + 4 * width, _align4(12 + 4 * width)
 
 
-def hierarchical_exchange_bytes(numels, world_size: int, ranks_per_node: int) -> list[tuple[int, int]]:
+def hierarchical_exchange_bytes(numels: Iterable[int], world_size: int, ranks_per_node: int) -> list[tuple[int, int]]:
     """Per local rank l, the bytes one rank sends in one two-level exchange of a bucket of
     segments ``numels``: ``(inside the node, between nodes)``, (L − 1) times both messages of
     :func:`intra_node_bytes` and the flat :func:`~hvd_zoadam.comm.protocol.exchange_bytes` of
@@ -70,7 +72,8 @@ class HierarchicalExchange:
         lo, hi: this rank's shard of the bucket.
     """
 
-    def __init__(self, numels, transport: Transport, levels, name: str, device=None):
+    def __init__(self, numels: Iterable[int], transport: Transport, levels: tuple[Transport, Transport], name: str,
+                 device: torch.device | str | None = None):
         self.device = device = torch.device("cpu" if device is None else device)
         self.transport, (self.intra, self.cross) = transport, levels
         self.name = name
@@ -153,7 +156,7 @@ class HierarchicalExchange:
         send[:, 4:].view(torch.float32).copy_(y[:self.padded_numel].view(self.local_size, self.width))
         return self.intra.start("alltoall", send.view(-1), f"{self.name}.shards")
 
-    def serve(self, shards_handle):
+    def serve(self, shards_handle: object):
         """Step 1 in (the node average of this shard), then step 2 up to its round 2 in flight."""
         recv = self.intra.wait(shards_handle).view(self.local_size, self._m1)
         steps = recv[:, :4].contiguous().view(torch.int32).view(-1)
@@ -172,7 +175,7 @@ class HierarchicalExchange:
         self.inner.step = self.step
         return self.inner.serve(self.inner.start(target))
 
-    def gather(self, server_handle):
+    def gather(self, server_handle: object):
         """Step 2's round 2 in, then step 3. Returns C(y), float32[numel] (this object's buffer,
         valid until the next exchange), or None when the exchange is skipped on every rank.
 
@@ -217,12 +220,12 @@ class HierarchicalExchange:
         if self.inner is not None and self._alone is None:
             self.inner.rollback()
 
-    def finish_gather(self, server_handle, out: torch.Tensor):
+    def finish_gather(self, server_handle: object, out: torch.Tensor):
         result = self.gather(server_handle)
         return None if result is None else out.copy_(result)
 
 
-def node_levels(transport: Transport, hierarchical, name: str):
+def node_levels(transport: Transport, hierarchical: bool | str, name: str):
     """The ``(intra, cross)`` transports of the ``hierarchical`` option, or None (flat).
 
     A world of one rank: None. Before a split, where the transport can make one (MPI,

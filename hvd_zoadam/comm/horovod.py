@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hvd_zoadam.comm.transport import (
     CollectiveTimeoutError,
@@ -14,6 +15,10 @@ from hvd_zoadam.comm.transport import (
     allgather_object_via_bytes,
     default_timeout_s,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from horovod.common.process_sets import ProcessSet
 
 
 @dataclass
@@ -37,7 +42,7 @@ class HorovodTransport(Transport):
     name = "horovod"
     supports_async = True
 
-    def __init__(self, process_set=None, timeout_s: float | None = None):
+    def __init__(self, process_set: ProcessSet | None = None, timeout_s: float | None = None):
         import horovod.torch as hvd
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -88,13 +93,13 @@ class HorovodTransport(Transport):
         out = self._wait(handle.handle, handle.op, handle.name, handle.nbytes)
         return out[0] if handle.op == "alltoall" else out
 
-    def wait(self, handle):
+    def wait(self, handle: object):
         if isinstance(handle, Done):
             return handle.result
         return self._wait_horovod(handle)
 
-    def allgather_object(self, obj, name):
+    def allgather_object(self, obj: object, name: str):
         """Over Horovod's allgather under every subclass (set-up only, paired by name)."""
-        def gather(tensor, part_name):
+        def gather(tensor: torch.Tensor, part_name: str):
             return self._wait_horovod(self._start_horovod("allgather", tensor, part_name))
         return allgather_object_via_bytes(gather, obj, name)

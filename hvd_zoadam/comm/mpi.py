@@ -8,6 +8,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,10 @@ from hvd_zoadam.comm.transport import (
     loads_plain,
     ranks_per_node_override,
 )
+
+if TYPE_CHECKING:
+    from horovod.common.process_sets import ProcessSet
+    from mpi4py import MPI
 
 MPI_CUDA_AWARE_ENV = "HVD_ZOADAM_MPI_CUDA_AWARE"
 _mpi_comms: dict = {}  # tuple(ranks) -> communicator over Horovod's MPI world
@@ -210,7 +215,7 @@ class MPIRounds(Transport):
             return tensor.view(torch.uint8).numpy()
         return tensor.view(torch.uint8)  # __cuda_array_interface__, for a CUDA-aware MPI
 
-    def allgather_flag(self, tensor, name):
+    def allgather_flag(self, tensor: torch.Tensor, name: str):
         """See :meth:`Transport.allgather_flag`: on a duplicate of the rounds' communicator
         (one per communicator), which only the flags use, in the same order on every rank."""
         comm = self._flag_comm()
@@ -232,14 +237,14 @@ class MPIRounds(Transport):
         request = (comm.Iallgather if op == "allgather" else comm.Ialltoall)(sbuf, rbuf)
         return MPIHandle(request, op, name, self._nbytes(send), recv, host_recv, device_recv, host_send)
 
-    def progress(self, handle) -> None:
+    def progress(self, handle: object) -> None:
         """MPI moves a nonblocking collective's data only inside MPI calls (no progress thread
         with the TCP transport): one ``Test`` moves what the sockets take now. Other handles
         (Horovod's) progress on their own."""
         if isinstance(handle, MPIHandle):
             handle.request.Test()
 
-    def wait(self, handle):
+    def wait(self, handle: object):
         if isinstance(handle, Done):
             return handle.result
         if not isinstance(handle, MPIHandle):
@@ -277,7 +282,7 @@ class MPITransport(MPIRounds, HorovodTransport):
 
     name = "mpi"
 
-    def __init__(self, process_set=None, timeout_s: float | None = None):
+    def __init__(self, process_set: ProcessSet | None = None, timeout_s: float | None = None):
         reason = mpi_unavailable_reason()
         if reason is not None:
             raise ValueError(f"transport='mpi' cannot work here: {reason}")
@@ -333,7 +338,8 @@ class MPICommTransport(MPIRounds):
 
     name = "mpi"
 
-    def __init__(self, comm=None, timeout_s: float | None = None, parent_counter: CommCounter | None = None):
+    def __init__(self, comm: MPI.Intracomm | None = None, timeout_s: float | None = None,
+                 parent_counter: CommCounter | None = None):
         from mpi4py import MPI
         comm = MPI.COMM_WORLD if comm is None else comm
         reason = mpi_comm_unavailable_reason(comm)
@@ -404,19 +410,19 @@ class MPICommTransport(MPIRounds):
         tensor.view(-1).copy_(gathered[:tensor.numel()]).div_(self.world_size)
         return tensor
 
-    def wait(self, handle):
+    def wait(self, handle: object):
         if isinstance(handle, AverageHandle):
             return self._finish_average(handle)
         return super().wait(handle)
 
-    def progress(self, handle) -> None:
+    def progress(self, handle: object) -> None:
         super().progress(handle.first if isinstance(handle, AverageHandle) else handle)
 
-    def allgather_object(self, obj, name):
+    def allgather_object(self, obj: object, name: str):
         return [loads_plain(data) for data in self._comm.allgather(pickle.dumps(obj))]  # bytes travel
 
 
-def mpi_comm_unavailable_reason(comm) -> str | None:
+def mpi_comm_unavailable_reason(comm: MPI.Comm) -> str | None:
     """Why :class:`MPICommTransport` cannot run on ``comm``, or None when it can.
 
     Needs: MPI initialised (importing ``mpi4py.MPI`` does that) and not finalised, at a thread

@@ -32,12 +32,18 @@ rank do not grow with P (algorithm.md §3, "Counting bytes").
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from hvd_zoadam import native
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.core.layout import padded_numel, segment_offsets
+
+if TYPE_CHECKING:
+    from horovod.common.process_sets import ProcessSet
 
 LAYOUT_CHECK = "zoadam.layout_check"  # fixed: the layout digest in a prefix may itself differ across ranks
 
@@ -79,7 +85,7 @@ class CollectiveNames:
         return f"zoadam.{self.prefix}.step_flags.{step}"
 
     @staticmethod
-    def for_layout(layout, world_size: int) -> "CollectiveNames":
+    def for_layout(layout: object, world_size: int) -> "CollectiveNames":
         """Names for an optimizer over ``layout`` (a repr-able description of its parameters)."""
         import hashlib
         return CollectiveNames(hashlib.sha1(repr((layout, world_size)).encode()).hexdigest()[:10])
@@ -101,7 +107,7 @@ def step_mismatch(name: str, low: int, high: int) -> StepMismatchError:
         "from the last checkpoint")
 
 
-def chunk_pieces(offsets, chunk_numel: int, world_size: int):
+def chunk_pieces(offsets: Sequence[int], chunk_numel: int, world_size: int):
     """Which segments overlap each chunk: ``(lo, count)``, int lists of length P, so that chunk q
     (elements [q·C, (q+1)·C)) holds pieces of segments lo[q] .. lo[q] + count[q] − 1 (count 0
     for a chunk of padding only). Pure integer arithmetic."""
@@ -128,7 +134,7 @@ def message_bytes(max_pieces: int, chunk_numel: int) -> tuple[int, int]:
     return _align4(4 * max_pieces + 4 + nbytes), _align4(12 + 4 * max_pieces + nbytes)
 
 
-def exchange_bytes(numels, world_size: int) -> int:
+def exchange_bytes(numels: Iterable[int], world_size: int) -> int:
     """Bytes one rank sends in one compressed exchange of a bucket of segments ``numels`` at
     world size P: (P − 1) times both messages of :func:`message_bytes`, what the transport's
     counter adds (0 at P = 1). Pure integer arithmetic."""
@@ -178,8 +184,9 @@ class Exchange:
             tensor after each exchange that is not skipped.
     """
 
-    def __init__(self, numels, transport: Transport, name: str, worker_error=None, server_error=None,
-                 device=None):
+    def __init__(self, numels: Iterable[int], transport: Transport, name: str,
+                 worker_error: torch.Tensor | None = None, server_error: torch.Tensor | None = None,
+                 device: torch.device | str | None = None):
         if device is None:
             device = worker_error.device if worker_error is not None else torch.device("cpu")
         self.device = device = torch.device(device)
@@ -267,7 +274,8 @@ class Exchange:
         self.commit()
         return result
 
-    def finish(self, y: torch.Tensor, token, out: torch.Tensor) -> torch.Tensor:
+    def finish(self, y: torch.Tensor, token: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+               out: torch.Tensor) -> torch.Tensor:
         """C(y) into ``out`` (float32[numel]) from :meth:`prepare`'s token. ``y`` is read only at
         P = 1 (C(y) = y); at P > 1 :meth:`prepare` consumed it."""
         if self.transport.world_size == 1:
@@ -299,7 +307,7 @@ class Exchange:
         send[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].copy_(self._packed.view(p, -1))
         return self.transport.start("alltoall", send.view(-1), f"{self.name}.signs")
 
-    def serve(self, signs_handle):
+    def serve(self, signs_handle: object):
         """Round 1 in: check the steps and this chunk's worker scales, average the P chunks with
         ``server_error`` and recompress (the new e_s staged until :meth:`commit`), check the new
         server scales, start round 2."""
@@ -333,7 +341,7 @@ class Exchange:
             msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed
         return self.transport.start("allgather", msg, f"{self.name}.server")
 
-    def gather(self, server_handle):
+    def gather(self, server_handle: object):
         """Wait for round 2. Returns C(y) still packed: (uint8[N/8] signs of every chunk in rank
         order, float32[P, nseg] server scales), for the fused consumers of :mod:`.native`; or None
         when some server met a non-finite scale (skip; call :meth:`rollback`).
@@ -347,7 +355,7 @@ class Exchange:
             raise step_mismatch(self.name, low, high)
         return result
 
-    def gather_status(self, server_handle):
+    def gather_status(self, server_handle: object):
         """:meth:`gather` without raising: ``(flag, lowest step, highest step, result)``, with
         the flag of the first server that raised one (0: none; 1: a non-finite scale; 2: ranks at
         different steps) and ``result`` None unless the flag is 0."""
@@ -382,7 +390,7 @@ class Exchange:
         staged errors are dropped)."""
         self._staged, self._reduced = None, False
 
-    def finish_gather(self, server_handle, out: torch.Tensor):
+    def finish_gather(self, server_handle: object, out: torch.Tensor):
         """Wait for round 2 and decompress C(y) into ``out`` (float32[numel]); None when skipped."""
         result = self.gather(server_handle)
         return None if result is None else native.decompress(*result, self.plan, out)
@@ -404,14 +412,14 @@ class Average:
     """
 
     def __init__(self, transport: Transport, names: CollectiveNames, *, gradient_predivide_factor: float,
-                 fp16_wire: bool, sparse_grad):
+                 fp16_wire: bool, sparse_grad: Callable[[str, torch.Tensor], torch.Tensor]):
         self.transport = transport
         self.names = names
         self.gradient_predivide_factor = gradient_predivide_factor
         self.fp16_wire = fp16_wire
         self.sparse_grad = sparse_grad
 
-    def start(self, index: int, b, inv_grad_scale=None, copy: bool = False) -> list:
+    def start(self, index: int, b: Any, inv_grad_scale: float | None = None, copy: bool = False) -> list:
         """Start the average of each gradient of bucket ``b`` (number ``index``). ``copy``:
         average a copy, leaving ``p.grad`` as it is until :meth:`finish` (the hooks' early
         start, whose gradients may still change). Returns per-tensor (handle, wire tensor,
@@ -442,7 +450,7 @@ class Average:
                         wire, g32))
         return out
 
-    def finish(self, b, started: list) -> list:
+    def finish(self, b: Any, started: list) -> list:
         """Wait for :meth:`start`'s allreduces; write the float32 averages into p.grad.
         Returns the float32 averages, for one finiteness check of the whole step."""
         f, averages = self.gradient_predivide_factor, []
@@ -460,7 +468,7 @@ class Average:
                 p.grad.copy_(g32.view_as(p.grad))
         return averages
 
-    def all(self, buckets: list, order: list, started: dict, inv_grad_scale=None) -> bool:
+    def all(self, buckets: list, order: list, started: dict, inv_grad_scale: float | None = None) -> bool:
         """The average of every bucket, started in ``order`` (bucket indices) unless
         ``started`` (index -> :meth:`start`'s result, taken from it) holds it already.
         Returns whether every average is finite."""
@@ -498,8 +506,9 @@ def _exchange_alone(buckets: list, g: torch.Tensor, w: torch.Tensor, fill, consu
     return True
 
 
-def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Tensor, fill, consume,
-                     consume_packed=None, started=None) -> bool:
+def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Tensor, fill: Callable[..., None],
+                     consume: Callable[..., None], consume_packed: Callable[..., None] | None = None,
+                     started: dict | None = None) -> bool:
     """C(.) of every bucket in ``buckets``, in order (the same on every rank, as MPI requires).
     Returns False when the exchange is skipped on every rank (a non-finite input somewhere).
 
@@ -633,7 +642,8 @@ def check_layout(transport: Transport, mine: dict, name: str = LAYOUT_CHECK, adv
 
 
 def compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                         *, process_set=None, transport="auto", name: str | None = None) -> torch.Tensor:
+                         *, process_set: ProcessSet | None = None, transport: str | Transport = "auto",
+                         name: str | None = None) -> torch.Tensor:
     """The two-phase 1-bit compressed allreduce C(y) of algorithm.md §3, for one tensor.
 
     Every rank of the process set must call it with a tensor of the same shape.

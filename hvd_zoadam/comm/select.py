@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,8 +15,13 @@ from hvd_zoadam.comm.horovod import HorovodTransport
 from hvd_zoadam.comm.mpi import MPICommTransport, MPITransport, mpi_unavailable_reason
 from hvd_zoadam.comm.transport import TRANSPORTS, Transport
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from torch.distributed import ProcessGroup
 
-def make_transport(transport, process_set=None, device=None) -> Transport:
+
+def make_transport(transport: str | Transport, process_set: object = None,
+                   device: torch.device | str | None = None) -> Transport:
     """Resolve the ``transport`` argument into a :class:`Transport` for ``process_set``.
 
     ``transport``: a :class:`Transport` (returned as it is), or one of :data:`TRANSPORTS`:
@@ -106,7 +113,7 @@ def _mpi_only() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def mpi_alone_transport(comm) -> MPICommTransport:
+def mpi_alone_transport(comm: MPI.Intracomm | None) -> MPICommTransport:
     """:class:`MPICommTransport` on ``comm`` (None: ``MPI.COMM_WORLD``), with the CPU kernels'
     threads shared among the ranks on this host (:func:`ranks_on_this_host`)."""
     from hvd_zoadam import native
@@ -115,7 +122,7 @@ def mpi_alone_transport(comm) -> MPICommTransport:
     return transport
 
 
-def torch_distributed_transport(process_group=None):
+def torch_distributed_transport(process_group: ProcessGroup | None = None):
     """:class:`~hvd_zoadam.comm.torch_distributed.TorchDistributedTransport` on ``process_group``
     (None: the default group), with the CPU kernels' threads shared among the ranks on this
     host as the launcher tells them (:func:`launcher_ranks_on_this_host`; torchrun sets
@@ -133,7 +140,7 @@ def torch_distributed_transport(process_group=None):
 LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "HOROVOD_LOCAL_SIZE")
 
 
-def launcher_ranks_on_this_host(environ=None) -> int | None:
+def launcher_ranks_on_this_host(environ: Mapping[str, str] | None = None) -> int | None:
     """The job's ranks on this host as the launcher tells them in the environment
     (:data:`LOCAL_SIZE_ENV`, then Slurm's ``SLURM_TASKS_PER_NODE`` on a job of one node), or
     None when no launcher says. No collective; every rank of the job counts, whatever group

@@ -62,7 +62,7 @@ class ThreadGroup:
         for sub in list(self._subgroups.values()):
             sub.abort()
 
-    def subgroup(self, key, size: int) -> "ThreadGroup":
+    def subgroup(self, key: tuple, size: int) -> "ThreadGroup":
         """The shared sub-group ``key`` of ``size`` ranks (made by the first rank to ask)."""
         with self._lock:
             if key not in self._subgroups:
@@ -106,7 +106,7 @@ class ThreadTransport(Transport):
             g.cond.notify_all()
         return ThreadHandle(op, (key, k), tensor, name)
 
-    def wait(self, handle):
+    def wait(self, handle: object):
         if isinstance(handle, Done):
             return handle.result
         op, key, tensor = handle.op, handle.key, handle.tensor
@@ -136,7 +136,7 @@ class ThreadTransport(Transport):
             total += p
         return tensor.copy_(total / self.world_size)
 
-    def allgather_object(self, obj, name):
+    def allgather_object(self, obj: object, name: str):
         return self._exchange(obj)
 
     def node_split(self, name: str) -> tuple["Transport", "Transport"]:

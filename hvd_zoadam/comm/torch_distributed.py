@@ -15,6 +15,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from hvd_zoadam.comm.transport import (
     loads_plain,
     ranks_per_node_override,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}  # the device type each backend moves
 
@@ -64,7 +68,8 @@ class TorchDistributedTransport(Transport):
     name = "torch.distributed"
     supports_async = True
 
-    def __init__(self, process_group=None, timeout_s: float | None = None, parent_counter: CommCounter | None = None):
+    def __init__(self, process_group: ProcessGroup | None = None, timeout_s: float | None = None,
+                 parent_counter: CommCounter | None = None):
         reason = torch_distributed_unavailable_reason()
         if reason is not None:
             raise ValueError(reason)
@@ -89,7 +94,7 @@ class TorchDistributedTransport(Transport):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def check_device(self, device) -> None:
+    def check_device(self, device: torch.device | str) -> None:
         """ValueError when tensors on ``device`` cannot travel over this group's backend."""
         device = torch.device(device)
         want = BACKEND_DEVICES.get(self.backend)
@@ -114,7 +119,7 @@ class TorchDistributedTransport(Transport):
             work = dist.all_gather_single(out, send, group=self.group, async_op=True)
         return WorkHandle(work, op, name, nbytes, out, 1)
 
-    def wait(self, handle):
+    def wait(self, handle: object):
         if isinstance(handle, Done):
             return handle.result
         deadline, pause = time.monotonic() + self.timeout_s, 0.0
@@ -139,7 +144,7 @@ class TorchDistributedTransport(Transport):
             f"{self.backend}) {what} on rank {self.rank} of {self.world_size}: a peer is dead or stalled, or the "
             "ranks issue different collectives. Set HVD_ZOADAM_TIMEOUT_S to change the limit.")
 
-    def allgather_object(self, obj, name):
+    def allgather_object(self, obj: object, name: str):
         """Every rank's picklable ``obj`` in rank order (these bytes come from this job's own
         ranks): two uncounted allgathers under the same deadline as every collective (the
         sizes, then the pickles padded to the longest), so a peer that never arrives at set-up

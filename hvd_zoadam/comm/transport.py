@@ -26,6 +26,7 @@ import io
 import os
 import pickle
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,16 +161,16 @@ class Transport:
     def _start(self, op, tensor, name):
         raise NotImplementedError
 
-    def wait(self, handle) -> torch.Tensor:
+    def wait(self, handle: object) -> torch.Tensor:
         """The result of a started collective; raises :class:`CollectiveTimeoutError` past the deadline."""
         raise NotImplementedError
 
-    def progress(self, handle) -> None:
+    def progress(self, handle: object) -> None:
         """Let a started collective move its data now, without waiting for it (the backward
         hooks call it while their rounds are in flight). Nothing here: Horovod, Gloo and
         thread ranks progress on their own threads."""
 
-    def allgather_object(self, obj, name: str) -> list:
+    def allgather_object(self, obj: object, name: str) -> list:
         """Every rank's ``obj`` (plain data: None, numbers, strings, lists, tuples, dicts), in rank
         order (uncounted: set-up only)."""
         raise NotImplementedError
@@ -238,7 +239,7 @@ class _PlainUnpickler(pickle.Unpickler):
     """Unpickles plain data only (None, bools, numbers, strings, bytes, lists, tuples, dicts,
     sets): any class or function a pickle names is refused, so a set-up message runs no code."""
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str):
         raise pickle.UnpicklingError(f"hvd_zoadam: a set-up message may hold plain data only, not {module}.{name}")
 
 
@@ -247,7 +248,7 @@ def loads_plain(data: bytes):
     return _PlainUnpickler(io.BytesIO(data)).load()
 
 
-def allgather_object_via_bytes(gather, obj, name: str) -> list:
+def allgather_object_via_bytes(gather: Callable[[torch.Tensor, str], torch.Tensor], obj: object, name: str) -> list:
     """Every rank's ``obj`` from two ``gather(tensor, name)`` calls (the sizes, then the pickles
     concatenated), each message read as plain data (:func:`loads_plain`)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)

@@ -64,9 +64,10 @@ class Engine:
             (:func:`hvd_zoadam.comm.hierarchical.node_levels`), or None for the flat one.
     """
 
-    def __init__(self, optimizer, names: dict, user_masks: dict, transport: Transport,
-                 names_of_collectives: CollectiveNames, *, bucket_cap_numel: int, scale_block_numel,
-                 sparse_as_dense: bool, bias_correction: bool, auto_exp_avg_mask: bool, levels=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict, user_masks: dict, transport: Transport,
+                 names_of_collectives: CollectiveNames, *, bucket_cap_numel: int, scale_block_numel: int | None,
+                 sparse_as_dense: bool, bias_correction: bool, auto_exp_avg_mask: bool,
+                 levels: tuple[Transport, Transport] | None = None):
         self._optimizer = weakref.ref(optimizer)  # the optimizer owns the engine: no cycle
         self.levels = levels
         self.names = names
@@ -95,7 +96,7 @@ class Engine:
         return self._optimizer().state
 
     # -- layout ----------------------------------------------------------------------------------
-    def check_param(self, p) -> None:
+    def check_param(self, p: torch.Tensor) -> None:
         """Refuse a parameter hvd_zoadam cannot lay out (TypeError/ValueError naming it)."""
         name = self.names.get(p)
         if p.is_sparse:
@@ -464,7 +465,7 @@ def bits_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     return out
 
 
-def short_digest(obj) -> str:
+def short_digest(obj: object) -> str:
     """A short, rank-independent digest of ``repr(obj)`` (12 hex digits)."""
     import hashlib
     return hashlib.sha1(repr(obj).encode()).hexdigest()[:12]

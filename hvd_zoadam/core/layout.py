@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Sequence
 
 
 def _as_int(value, name: str, minimum: int) -> int:
@@ -32,7 +33,7 @@ def padded_numel(numel: int, world_size: int) -> int:
     return -(-numel // unit) * unit
 
 
-def segment_offsets(numels) -> list[int]:
+def segment_offsets(numels: Iterable[int]) -> list[int]:
     """Offsets ``[0, n0, n0+n1, ...]`` of consecutive segments (tensors) in a bucket."""
     offsets = [0]
     for n in numels:
@@ -40,7 +41,7 @@ def segment_offsets(numels) -> list[int]:
     return offsets
 
 
-def make_buckets(numels, cap_numel: int) -> list[list[int]]:
+def make_buckets(numels: Iterable[int], cap_numel: int) -> list[list[int]]:
     """Split indices of ``numels`` (in order) into runs of at most ``cap_numel`` elements.
 
     A tensor larger than the cap gets a bucket of its own. Zero-element tensors are
@@ -60,7 +61,7 @@ def make_buckets(numels, cap_numel: int) -> list[list[int]]:
     return buckets
 
 
-def scale_segments(numels, block_numel: int | None) -> list[int]:
+def scale_segments(numels: Iterable[int], block_numel: int | None) -> list[int]:
     """Sizes of the scale segments of a bucket: each tensor split into blocks of at most
     ``block_numel`` elements (one scale each), or whole tensors when ``block_numel`` is None.
 
@@ -90,7 +91,7 @@ def node_shards(numel: int, local_size: int) -> list[tuple[int, int]]:
     return [(min(numel, l * width), min(numel, (l + 1) * width)) for l in range(local_size)]
 
 
-def shard_segments(offsets, lo: int, hi: int) -> list[int]:
+def shard_segments(offsets: Sequence[int], lo: int, hi: int) -> list[int]:
     """The scale segments of the range ``[lo, hi)`` of a bucket whose segments start at
     ``offsets`` (:func:`segment_offsets`): each segment cut at the range's ends, empty ones
     left out. A block that a shard boundary cuts gets one scale on each side."""

@@ -29,7 +29,7 @@ class StepKind(enum.Enum):
     SYNC = "sync"              #: after the freeze, t in T_u: 1-bit allreduce of the window's update
 
 
-def check_positive_int(value, name: str, hint: str = "") -> int:
+def check_positive_int(value: object, name: str, hint: str = "") -> int:
     """Return ``value`` as an int >= 1 or raise TypeError/ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int (steps), got {value!r} of type "

@@ -85,7 +85,8 @@ def _decay(param: torch.Tensor, h: Hyper) -> None:
         param.mul_(1 - h.lr * h.weight_decay)
 
 
-def variance_step(param, grad_avg, exp_avg, exp_avg_sq, h: Hyper, mask=None, denom_out=None) -> None:
+def variance_step(param: torch.Tensor, grad_avg: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  h: Hyper, mask: torch.Tensor | None = None, denom_out: torch.Tensor | None = None) -> None:
     """VARIANCE (algorithm.md §2): m and v from the full-precision average ḡ; x ← x − γ·m̂/s.
 
     v ← β·v + (1 − β)·ḡ² with β = β2^I, I = ``h.var_update_steps`` (1: Adam's update; more
@@ -114,7 +115,8 @@ def local_step_scalars(h: Hyper) -> dict:
             "l2": h.weight_decay if not h.decoupled else 0.0}
 
 
-def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
+def momentum_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, h: Hyper,
+                  mask: torch.Tensor | None = None) -> None:
     """COMPRESSED (with ĝ = C(g)) and LOCAL (with the local g): m ← β1·m + (1−β1)·g; x ← x − γ·m̂/s.
 
     v is not touched. ``denom`` is :func:`adam_denom` of the frozen or current v; ``mask`` as
@@ -123,21 +125,23 @@ def momentum_step(param, grad, exp_avg, denom, h: Hyper, mask=None) -> None:
     reference.local_step(grad, param, exp_avg, denom, mask=mask, **local_step_scalars(h))
 
 
-def local_momentum(param, grad, exp_avg, h: Hyper, out) -> None:
+def local_momentum(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, h: Hyper,
+                   out: torch.Tensor) -> None:
     """1-bit Adam's exchange input (algorithm.md §9): out <- β1·m + (1−β1)·g, computed as
     ``m.lerp(g, 1 − β1)`` (Adam's own op); g gets Adam's L2 term λ·x first. ``out`` must not
     alias ``grad`` or ``exp_avg``; m is not changed."""
     torch.lerp(exp_avg, _l2(grad, param, h), 1 - h.beta1, out=out)
 
 
-def frozen_adam_step(param, exp_avg, denom, h: Hyper) -> None:
+def frozen_adam_step(param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, h: Hyper) -> None:
     """1-bit Adam after the freeze, from the exchanged m: x ← x·(1 − γλ) (AdamW only), then
     x ← x − γ·m̂/s with s from the frozen v."""
     _decay(param, h)
     param.addcdiv_(exp_avg, denom, value=-h.lr / h.bias_correction1)
 
 
-def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned: bool = True) -> None:
+def sync_prepare(param: torch.Tensor, anchor: torch.Tensor, denom: torch.Tensor, decay_product: float,
+                 out: torch.Tensor, preconditioned: bool = True) -> None:
     """SYNC steps 2–3: the window's update into ``out``, with the window's decay replayed on the anchor
     (``anchor`` itself is left as it is).
 
@@ -153,7 +157,8 @@ def sync_prepare(param, anchor, denom, decay_product: float, out, preconditioned
         out.mul_(denom)
 
 
-def sync_finish(param, anchor, exp_avg, denom, w, lr_sum: float, h: Hyper, mask=None,
+def sync_finish(param: torch.Tensor, anchor: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                w: torch.Tensor, lr_sum: float, h: Hyper, mask: torch.Tensor | None = None,
                 preconditioned: bool = True) -> None:
     """SYNC steps 5–7: x ← x_a − w/s; m ← (1−β1^t)·w/Λ (so m̂ = w/Λ); x_a ← x.
 

@@ -9,16 +9,19 @@ bucket cap).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from hvd_zoadam.core.layout import node_shards, padded_numel, scale_segments, segment_offsets, shard_segments
-from hvd_zoadam.core.schedule import Schedule, StepKind
+from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
 from hvd_zoadam.native import reference
 from hvd_zoadam.oracle.stacked import compressed_allreduce_stacked, hierarchical_allreduce_stacked, row_sum
 
 
-def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=None, server_exact=False):
+def simulate_compressed_allreduce(inputs: list[torch.Tensor], worker_errors: list[torch.Tensor],
+                                  server_errors: list[torch.Tensor], numels: list[int] | None = None,
+                                  server_exact: bool = False):
     """C(y) over P simulated workers.
 
     Args:
@@ -67,7 +70,9 @@ def simulate_compressed_allreduce(inputs, worker_errors, server_errors, numels=N
     return reference.decompress(torch.cat(server_packed), torch.stack(server_scales), offsets, n)
 
 
-def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_per_node, numels=None):
+def simulate_hierarchical_allreduce(inputs: list[torch.Tensor], worker_errors: list[torch.Tensor],
+                                    server_errors: list[torch.Tensor], ranks_per_node: int,
+                                    numels: list[int] | None = None):
     """The two-level C_2(y) of :mod:`hvd_zoadam.comm.hierarchical` over P = N·L simulated workers.
 
     Rank r is local rank r mod L of node r // L. Local rank l's shard (``node_shards``) is
@@ -113,11 +118,15 @@ def simulate_hierarchical_allreduce(inputs, worker_errors, server_errors, ranks_
     return out
 
 
-def simulate_zoadam(params, grad_fn=None, *, world_size, steps, schedule: Schedule, lr_fn, betas=(0.9, 0.999),
-                    eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True, scale_block_numel=2048,
-                    precondition=True, auto_mask=True, exact=(), server_exact=False, clip_scale=1.0, trace=None,
-                    ranks_per_node=None, batched_grad_fn=None, stacked=True, sync_momentum_average=0.0,
-                    auto_freeze=None):
+def simulate_zoadam(params: list[torch.Tensor], grad_fn: Callable[..., list[torch.Tensor]] | None = None, *,
+                    world_size: int, steps: int, schedule: Schedule, lr_fn: Callable[[int], float],
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    weight_decay: float | torch.Tensor = 0.0, decoupled: bool = False, bias_correction: bool = True,
+                    scale_block_numel: int = 2048, precondition: bool = True, auto_mask: bool = True,
+                    exact: tuple[str, ...] = (), server_exact: bool = False, clip_scale: float | str = 1.0,
+                    trace: list[dict] | None = None, ranks_per_node: int | None = None,
+                    batched_grad_fn: Callable[..., torch.Tensor] | None = None, stacked: bool = True,
+                    sync_momentum_average: float = 0.0, auto_freeze: AutoFreeze | None = None):
     """0/1 Adam (algorithm.md §2) on P simulated workers, one bucket of all ``params``, with one
     scale per block of ``scale_block_numel`` elements of each tensor (as the optimizer).
 
@@ -193,9 +202,12 @@ class _Run:
     """One :func:`simulate_zoadam` run: the P workers' x and m (rows of float32[P, n]), the one v
     and anchor every rank shares, the error buffers, the counters, and each step kind's math."""
 
-    def __init__(self, params, grad_fn, batched_grad_fn, world_size, betas, eps, weight_decay, decoupled,
-                 bias_correction, scale_block_numel, precondition, auto_mask, exact, server_exact, clip_scale, trace,
-                 ranks_per_node, stacked, sync_momentum_average):
+    def __init__(self, params: list[torch.Tensor], grad_fn: Callable[..., list[torch.Tensor]] | None,
+                 batched_grad_fn: Callable[..., torch.Tensor] | None, world_size: int, betas: tuple[float, float],
+                 eps: float, weight_decay: float | torch.Tensor, decoupled: bool, bias_correction: bool,
+                 scale_block_numel: int, precondition: bool, auto_mask: bool, exact: tuple[str, ...],
+                 server_exact: bool, clip_scale: float | str, trace: list[dict] | None, ranks_per_node: int | None,
+                 stacked: bool, sync_momentum_average: float):
         self.params, self.grad_fn, self.batched_grad_fn, self.world_size = params, grad_fn, batched_grad_fn, world_size
         (self.beta1, self.beta2), self.eps, self.weight_decay, self.decoupled = betas, eps, weight_decay, decoupled
         self.bias_correction, self.precondition, self.exact, self.server_exact = (bias_correction, precondition,
@@ -214,7 +226,7 @@ class _Run:
         self.sync_momentum = None  # the previous SYNC step's m (the sync_momentum_average ablation)
         self.has_decay = bool(torch.as_tensor(weight_decay).ne(0).any())
 
-    def flat_grads(self, t):
+    def flat_grads(self, t: int):
         if self.batched_grad_fn is not None:
             return self.batched_grad_fn(t, self.x).float()
         out = torch.empty(self.world_size, self.n)
@@ -223,17 +235,17 @@ class _Run:
             out[r] = torch.cat([g.reshape(-1).float() for g in self.grad_fn(t, r, views)])
         return out
 
-    def adam_denom(self, k_):
+    def adam_denom(self, k_: int):
         bc2 = 1 - self.beta2 ** max(k_, 1) if self.bias_correction else 1.0
         return (self.v.sqrt() / bc2 ** 0.5).add_(self.eps)
 
-    def bound(self, k_):  # step_math.normalized_gradient_bound
+    def bound(self, k_: int):  # step_math.normalized_gradient_bound
         scale = self.clip_scale
         if self.clip_scale == "k":  # the earlier bound, Adam's at its (k+1)-th update
             scale = math.sqrt(1 - self.beta2 ** (k_ + 1)) if self.bias_correction else 1.0
         return math.sqrt(self.world_size) / math.sqrt(1 - self.beta2) * scale
 
-    def exchange(self, inputs, phase, t):
+    def exchange(self, inputs: torch.Tensor, phase: str, t: int):
         if phase in self.exact:
             out = row_sum(inputs) / self.world_size
         else:
@@ -245,7 +257,8 @@ class _Run:
             self.trace.append({"step": t, "kind": phase, **self.errors.norms(), "result": float(out.norm())})
         return out
 
-    def momentum(self, x_, m_, grad, denom, lr, bc1, mask):  # all ranks' rows, or one rank's
+    def momentum(self, x_: torch.Tensor, m_: torch.Tensor, grad: torch.Tensor, denom: torch.Tensor, lr: float,
+                 bc1: float, mask: torch.Tensor | None):  # all ranks' rows, or one rank's
         if self.decoupled and self.has_decay:
             x_.mul_(1 - lr * self.weight_decay)
         if not self.decoupled and self.weight_decay:
@@ -255,12 +268,12 @@ class _Run:
             m_.mul_(mask)
         x_.addcdiv_(m_, denom, value=-lr / bc1)
 
-    def enter_freeze(self, lr) -> None:
+    def enter_freeze(self, lr: float) -> None:
         self.freeze_lr = lr
         self.errors.zero_()
         self.anchor = self.x[0].clone()
 
-    def step(self, t, kind, lr, sched) -> None:
+    def step(self, t: int, kind: StepKind, lr: float, sched: Schedule) -> None:
         bc1 = 1 - self.beta1 ** t if self.bias_correction else 1.0
         g = self.flat_grads(t)
         mask = (self.v != 0) if self.auto_mask_on else None
@@ -271,7 +284,7 @@ class _Run:
         else:
             self.local_and_sync(t, kind, lr, bc1, g, mask)
 
-    def variance(self, t, lr, bc1, g, interval) -> None:
+    def variance(self, t: int, lr: float, bc1: float, g: torch.Tensor, interval: int) -> None:
         """I = ``interval``: v's update weighs as I steps."""
         x, m, v = self.x, self.m, self.v
         self.k += interval
@@ -285,7 +298,7 @@ class _Run:
         v.mul_(b2).addcmul_(gr[0], gr[0], value=1 - b2)
         x.addcdiv_(m, self.adam_denom(self.k), value=-lr / bc1)
 
-    def compressed(self, t, lr, bc1, g, mask) -> None:
+    def compressed(self, t: int, lr: float, bc1: float, g: torch.Tensor, mask: torch.Tensor | None) -> None:
         denom = self.adam_denom(self.k)
         if self.world_size > 1:
             if self.precondition:
@@ -300,7 +313,8 @@ class _Run:
             g = out.expand(self.world_size, self.n)
         self.momentum(self.x, self.m, g, denom, lr, bc1, mask)
 
-    def local_and_sync(self, t, kind, lr, bc1, g, mask) -> None:
+    def local_and_sync(self, t: int, kind: StepKind, lr: float, bc1: float, g: torch.Tensor,
+                       mask: torch.Tensor | None) -> None:
         """LOCAL, and the local part of SYNC, then a SYNC step's exchange and rebuild."""
         denom = self.adam_denom(self.k)
         finite = torch.isfinite(g).all(dim=1)
@@ -318,7 +332,7 @@ class _Run:
         if kind is StepKind.SYNC and self.lr_sum > 0:
             self.sync(t, bc1, denom, mask)
 
-    def sync(self, t, bc1, denom, mask) -> None:
+    def sync(self, t: int, bc1: float, denom: torch.Tensor, mask: torch.Tensor | None) -> None:
         """SYNC steps 2-7: the window's update exchanged, x, m and the anchor rebuilt from it."""
         n, anchor = self.n, self.anchor
         if self.decoupled and self.has_decay:
@@ -350,7 +364,7 @@ class _ErrorBuffers:
     l (one, for the flat exchange) the N·… stacks of :mod:`hvd_zoadam.oracle.stacked`, with
     rank r = a·L + l in row a of stack l."""
 
-    def __init__(self, n: int, world_size: int, ranks_per_node=None):
+    def __init__(self, n: int, world_size: int, ranks_per_node: int | None = None):
         self.n, self.world_size = n, world_size
         self.local = ranks_per_node or 1
         self.nodes = world_size // self.local
@@ -364,7 +378,7 @@ class _ErrorBuffers:
         ranks = [(r % self.local, r // self.local) for r in range(self.world_size)]
         return [self.worker[l][a] for l, a in ranks], [self.server[l][a] for l, a in ranks]
 
-    def allreduce(self, inputs, segments, server_exact: bool, stacked: bool):
+    def allreduce(self, inputs: torch.Tensor, segments: list[int], server_exact: bool, stacked: bool):
         """C(.) (or C_2) of float32[P, n] over the P ranks, these buffers updated."""
         if self.hierarchical:
             if stacked:
@@ -381,7 +395,7 @@ class _ErrorBuffers:
         for e in self.worker + self.server:
             e.zero_()
 
-    def mask_(self, mask):
+    def mask_(self, mask: torch.Tensor):
         """Zero both errors where ``mask`` (bool[n]) is False, each rank over its shard."""
         for (lo, hi), we, se in zip(self.shards, self.worker, self.server):
             own = mask[lo:hi]
@@ -395,9 +409,12 @@ class _ErrorBuffers:
                 "server_error": float(sum(e.norm() for e in se)) / self.world_size}
 
 
-def simulate_onebit(params, exp_avg, exp_avg_sq, grad_fn, *, world_size, first_step, steps, exp_avg_sq_steps,
-                    lr_fn, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False, bias_correction=True,
-                    scale_block_numel=2048, worker_errors=None, server_errors=None):
+def simulate_onebit(params: list[torch.Tensor], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    grad_fn: Callable[..., list[torch.Tensor]], *, world_size: int, first_step: int, steps: int,
+                    exp_avg_sq_steps: int, lr_fn: Callable[[int], float], betas: tuple[float, float] = (0.9, 0.999),
+                    eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False,
+                    bias_correction: bool = True, scale_block_numel: int = 2048,
+                    worker_errors: list[torch.Tensor] | None = None, server_errors: list[torch.Tensor] | None = None):
     """1-bit Adam's compressed steps (algorithm.md §9) on P simulated workers, one bucket of
     all ``params``, from a state after the freeze (the oracle of the optimizer's
     ``algorithm="onebit"``): at each step t every rank's momentum

@@ -37,7 +37,8 @@ def _lengths(offsets) -> torch.Tensor:
     return torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], dtype=torch.long)
 
 
-def compressed_allreduce_stacked(inputs, worker_errors, server_errors, numels=None, server_exact=False):
+def compressed_allreduce_stacked(inputs: torch.Tensor, worker_errors: torch.Tensor, server_errors: torch.Tensor,
+                                 numels: list[int] | None = None, server_exact: bool = False):
     """C(y) over R simulated workers (algorithm.md §3), stacked.
 
     Args:
@@ -81,7 +82,7 @@ def compressed_allreduce_stacked(inputs, worker_errors, server_errors, numels=No
     return server_out[:n].clone()
 
 
-def row_sum(stack: torch.Tensor, start=None) -> torch.Tensor:
+def row_sum(stack: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """``start`` (default: nothing) + Σ_r stack[r], added in rank order, as the per-rank oracle
     adds its lists: float32[...] from float32[R, ...]."""
     total = stack[0].clone() if start is None else start + stack[0]
@@ -90,7 +91,9 @@ def row_sum(stack: torch.Tensor, start=None) -> torch.Tensor:
     return total
 
 
-def hierarchical_allreduce_stacked(inputs, worker_errors, server_errors, ranks_per_node, numels=None):
+def hierarchical_allreduce_stacked(inputs: torch.Tensor, worker_errors: list[torch.Tensor],
+                                   server_errors: list[torch.Tensor], ranks_per_node: int,
+                                   numels: list[int] | None = None):
     """The two-level C_2(y) over P = N·L simulated workers (algorithm.md §3, "Two levels"),
     stacked: :func:`~hvd_zoadam.oracle.simulate.simulate_hierarchical_allreduce`'s formulas.
 

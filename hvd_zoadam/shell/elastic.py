@@ -21,10 +21,15 @@ is Horovod's optimizer handler (deep copy of ``state_dict()`` on commit,
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 _registered: set = set()  # optimizer classes registered so far
 
 
-def register_state_handler(optimizer_cls) -> bool:
+def register_state_handler(optimizer_cls: type) -> bool:
     """Register ``ZeroOneAdamStateHandler`` for ``optimizer_cls`` (a class with an
     ``on_reset()`` method) with ``horovod.torch.elastic``. Idempotent.
 
@@ -41,7 +46,7 @@ def register_state_handler(optimizer_cls) -> bool:
         """Horovod's optimizer handler, plus the error buffers on commit and restore, and a
         re-layout for the current world (carrying the error feedback over) in ``sync()``."""
 
-        def __init__(self, optimizer):
+        def __init__(self, optimizer: torch.optim.Optimizer):
             super().__init__(optimizer)
             self._saved_rank_state = optimizer.rank_state_dict()
             # A reset that skips sync() (hosts only removed) then reaches step() on every

@@ -5,21 +5,39 @@ optimizer of :mod:`hvd_zoadam.shell.optimizer` over a Horovod (or mpi4py) transp
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hvd_zoadam.comm.select import make_transport
 from hvd_zoadam.shell.elastic import register_state_handler
 from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
 from hvd_zoadam.shell.options import check_horovod_arguments, documents_knobs, horovod_groups
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
+    from horovod.common.process_sets import ProcessSet
+    from horovod.torch.compression import Compressor
+
+    from hvd_zoadam.comm.transport import Transport
+
 
 @documents_knobs()
-def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
-                         op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=None, *, var_freeze_step="auto", var_update_scaler="auto",
-                         local_step_scaler=32768, local_step_clipper=8, local_step_policy="lr",
-                         var_update_weighting="interval", bias_correction=True, transport="auto", bucket_cap_mb=25.0,
-                         scale_block_numel="auto",
-                         exp_avg_mask=None, auto_exp_avg_mask=True, precondition_compression=True,
-                         step_log=None, overlap=True, algorithm="zoadam", hierarchical=False):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: type[Compressor] | None = None, backward_passes_per_step: int = 1,
+                         op: int | None = None, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | list[list[torch.Tensor]] | None = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet | None = None, *, var_freeze_step: int | str = "auto",
+                         var_update_scaler: int | str = "auto", local_step_scaler: int = 32768,
+                         local_step_clipper: int = 8, local_step_policy: str = "lr",
+                         var_update_weighting: str = "interval", bias_correction: bool = True,
+                         transport: str | Transport = "auto", bucket_cap_mb: float = 25.0,
+                         scale_block_numel: int | str | None = "auto",
+                         exp_avg_mask: dict[torch.Tensor | str, torch.Tensor] | None = None,
+                         auto_exp_avg_mask: bool = True,
+                         precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True,
+                         algorithm: str = "zoadam", hierarchical: bool | str = False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into a 0/1 Adam (or 1-bit Adam) optimizer that
     communicates through Horovod. A drop-in replacement for ``hvd.DistributedOptimizer``.
 
@@ -99,7 +117,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         auto_exp_avg_mask=auto_exp_avg_mask, precondition_compression=precondition_compression, step_log=step_log,
         overlap=overlap, algorithm=algorithm, hierarchical=hierarchical)
 
-def OnebitAdam(optimizer, named_parameters=None, *, freeze_step, **kwargs):
+def OnebitAdam(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+               freeze_step: int, **kwargs: object):
     """1-bit Adam (Tang et al., arXiv 2102.02888) over Horovod: ``DistributedOptimizer(optimizer,
     named_parameters, algorithm="onebit", var_freeze_step=freeze_step, **kwargs)``.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +27,7 @@ class HorovodContract:
         does not keep a dropped optimizer alive (its parameters may then get a new one)."""
         owner = weakref.ref(self)
 
-        def hook(param):
+        def hook(param: torch.Tensor):
             opt = owner()
             if opt is not None:
                 opt._grad_ready(param)
@@ -127,7 +128,7 @@ class HorovodContract:
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], torch.Tensor | float] | None = None):
         """One 0/1 Adam step of the kind the schedule gives (algorithm.md §2). Returns the closure's loss.
 
         Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``) the gradients are unscaled

@@ -28,6 +28,8 @@ by 1/size), as that of :mod:`hvd_zoadam.distributed` can.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,13 +45,18 @@ from hvd_zoadam.shell.torch_distributed import (
 )
 from hvd_zoadam.shell.torch_distributed import DistributedOptimizer as _torch_distributed_optimizer
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
 
 FRONT_END = "hvd_zoadam.mpi.DistributedOptimizer"
 
 
 @documents_knobs(like=_torch_distributed_optimizer)
-def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options):  # noqa: N802 - Horovod's name
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horovod's name
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         comm: MPI.Intracomm | None = None, **options: object):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into 0/1 Adam (or 1-bit Adam) over an mpi4py
     communicator, without Horovod.
 
@@ -104,7 +111,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, comm=None, **options)
     return build_without_horovod(optimizer, named_parameters, resolve, FRONT_END, knobs)
 
 
-def OnebitAdam(optimizer, named_parameters=None, comm=None, *, freeze_step, **kwargs):  # noqa: N802
+def OnebitAdam(optimizer: torch.optim.Optimizer,  # noqa: N802
+               named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+               comm: MPI.Intracomm | None = None, *, freeze_step: int, **kwargs: object):
     """1-bit Adam (Tang et al., arXiv 2102.02888) over mpi4py: ``DistributedOptimizer(optimizer,
     named_parameters, comm, algorithm="onebit", var_freeze_step=freeze_step, **kwargs)`` (see
     :func:`hvd_zoadam.OnebitAdam`)."""
@@ -112,7 +121,8 @@ def OnebitAdam(optimizer, named_parameters=None, comm=None, *, freeze_step, **kw
                                 var_freeze_step=freeze_step, **kwargs)
 
 
-def broadcast_parameters(params, root_rank: int = 0, comm=None) -> None:
+def broadcast_parameters(params: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int = 0,
+                         comm: MPI.Intracomm | None = None) -> None:
     """``hvd.broadcast_parameters`` over mpi4py: every rank's tensors become ``root_rank``'s, in
     place. ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of
     ``(name, tensor)``, in the same order of names on every rank. ``root_rank``: a rank of
@@ -127,7 +137,8 @@ def broadcast_parameters(params, root_rank: int = 0, comm=None) -> None:
     broadcast_tensors(params, lambda tensor: _bcast_tensor(comm, tensor, root_rank))
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              comm: MPI.Intracomm | None = None) -> None:
     """``hvd.broadcast_optimizer_state`` over mpi4py: every rank takes ``root_rank``'s
     ``state_dict()`` (m, v, the anchor, the schedule counters, lr and the other group
     settings), then ``load_state_dict`` of it. The error buffers stay each rank's own.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numbers
 import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +45,9 @@ from hvd_zoadam.shell.options import (
 from hvd_zoadam.shell.overlap import Overlap
 from hvd_zoadam.shell.stats import CommStats, ReportsMixin, StepLog
 from hvd_zoadam.shell.torch_optim import ParamGroupsMixin, StateDictMixin
+
+if TYPE_CHECKING:
+    from horovod.torch.compression import Compressor
 
 
 class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, ParamGroupsMixin, ReportsMixin,
@@ -89,12 +94,14 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, Param
     passes over the model in every LOCAL step and six in every SYNC step.
     """
 
-    def __init__(self, optimizer, named_parameters, *, schedule: Schedule, transport: Transport,
-                 compression, backward_passes_per_step: int, gradient_predivide_factor: float,
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, *,
+                 schedule: Schedule, transport: Transport, compression: type[Compressor] | None,
+                 backward_passes_per_step: int, gradient_predivide_factor: float,
                  sparse_as_dense: bool, bias_correction: bool, bucket_cap_numel: int,
-                 scale_block_numel: int | None = None, exp_avg_mask=None, auto_exp_avg_mask: bool = False,
+                 scale_block_numel: int | None = None,
+                 exp_avg_mask: dict[torch.Tensor | str, torch.Tensor] | None = None, auto_exp_avg_mask: bool = False,
                  precondition_compression: bool = True, step_log: str | None = None, overlap: bool = True,
-                 algorithm: str = "zoadam", hierarchical=False, auto_freeze: AutoFreeze | None = None):
+                 algorithm: str = "zoadam", hierarchical: bool | str = False, auto_freeze: AutoFreeze | None = None):
         self._ready = False
         # Not super(): built by DistributedOptimizer, this class sits before the wrapped
         # torch.optim.Adam/AdamW in the MRO, and their __init__ must not run (as in Horovod).
@@ -257,12 +264,17 @@ def _check_onebit(knobs: dict, precondition_compression) -> int:
     return 1
 
 
-def build_optimizer(optimizer, named_parameters, resolve_transport, *, front_end: str, compression,
-                    backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense, var_freeze_step,
-                    var_update_scaler, local_step_scaler, local_step_clipper, local_step_policy, var_update_weighting,
-                    bias_correction,
-                    bucket_cap_mb, scale_block_numel, exp_avg_mask, auto_exp_avg_mask, precondition_compression,
-                    step_log, overlap, algorithm, hierarchical):
+def build_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                    resolve_transport: Callable[[], Transport], *, front_end: str,
+                    compression: type[Compressor] | None, backward_passes_per_step: int,
+                    gradient_predivide_factor: float, groups: int | list[list[torch.Tensor]] | None,
+                    sparse_as_dense: bool, var_freeze_step: int | str, var_update_scaler: int | str,
+                    local_step_scaler: int, local_step_clipper: int, local_step_policy: str,
+                    var_update_weighting: str, bias_correction: bool,
+                    bucket_cap_mb: float, scale_block_numel: int | str | None,
+                    exp_avg_mask: dict[torch.Tensor | str, torch.Tensor] | None, auto_exp_avg_mask: bool,
+                    precondition_compression: bool, step_log: str | None, overlap: bool, algorithm: str,
+                    hierarchical: bool | str):
     """What every front end does (``hvd_zoadam.DistributedOptimizer``,
     ``hvd_zoadam.distributed.DistributedOptimizer``): check the wrapped optimizer and every knob,
     then ``resolve_transport()`` (a callable returning the :class:`Transport`: only once every

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from hvd_zoadam.core.schedule import LOCAL_STEP_POLICIES, NEVER, AutoFreeze, Schedule, check_positive_int
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from horovod.torch.compression import Compressor
 
 STATE_KEY = "zoadam"            # param_groups[0][STATE_KEY]: the step counters shared by all ranks
 ADOPT_KEY = "adopt_at_next_step"  # in the counters after loading an Adam checkpoint, until the next step
@@ -42,7 +49,8 @@ def check_group(group: dict, index: int) -> None:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
 
 
-def check_named_parameters(param_groups, named_parameters) -> dict:
+def check_named_parameters(param_groups: list[dict],
+                           named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict:
     """{param: name} from ``named_parameters`` (None: ``noname.<group>.<index>``), with
     Horovod's checks and messages (ValueError)."""
     params = [p for g in param_groups for p in g["params"]]
@@ -66,7 +74,7 @@ def check_named_parameters(param_groups, named_parameters) -> dict:
     return names
 
 
-def check_horovod_arguments(hvd, compression, op):
+def check_horovod_arguments(hvd: ModuleType | None, compression: type[Compressor] | None, op: int | None):
     """``compression`` and ``op`` with Horovod's defaults filled in (both as given when ``hvd`` is
     None: an explicit transport without Horovod). Returns (compression, op)."""
     if hvd is None:
@@ -85,7 +93,7 @@ def check_horovod_arguments(hvd, compression, op):
     return compression, op
 
 
-def horovod_groups(num_groups, groups):
+def horovod_groups(num_groups: int, groups: int | list[list[torch.Tensor]] | None):
     """Horovod's ``groups``, with its deprecated alias ``num_groups`` (an int >= 0) taken as
     Horovod takes it: a DeprecationWarning, and ``groups = num_groups`` when ``groups`` is None."""
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
@@ -99,7 +107,7 @@ def horovod_groups(num_groups, groups):
     return groups
 
 
-def check_groups(groups) -> None:
+def check_groups(groups: int | list[list[torch.Tensor]] | None) -> None:
     """Horovod's check of ``groups`` (ValueError with Horovod's texts): None, an int >= 0, or a
     list of lists of tensors in which no tensor appears twice. hvd_zoadam fuses parameters into
     buckets of ``bucket_cap_mb`` itself, so valid groups change neither the buckets nor the
@@ -165,12 +173,12 @@ KNOB_DOCS = {
 }
 
 
-def documents_knobs(like=None):
+def documents_knobs(like: Callable[..., object] | None = None):
     """A decorator: put one line per knob of a front end (its name, its default from the
     signature, and :data:`KNOB_DOCS`) where the decorated function's docstring has the line
     ``{knobs}``. The knobs are the parameters with a default that :data:`KNOB_DOCS` documents,
     of the decorated function or of ``like`` (for a front end that takes them as ``**options``)."""
-    def render(func):
+    def render(func: Callable[..., object]):
         import inspect
         import textwrap
         lines = []
@@ -196,8 +204,9 @@ def auto_scale_block_numel(world_size: int) -> int:
     return 256 if world_size < 32 else 64
 
 
-def resolve_schedule(world_size: int, beta2: float, *, var_freeze_step, var_update_scaler, local_step_scaler,
-                     local_step_clipper, local_step_policy, var_update_weighting, scale_block_numel):
+def resolve_schedule(world_size: int, beta2: float, *, var_freeze_step: int | str, var_update_scaler: int | str,
+                     local_step_scaler: int, local_step_clipper: int, local_step_policy: str,
+                     var_update_weighting: str, scale_block_numel: int | str | None):
     """The knobs with their ``"auto"`` values decided for ``world_size`` ranks and the first
     param group's ``beta2``, as the optimizer decides them: ``(schedule, auto_freeze,
     scale_block_numel)``, ``auto_freeze`` an :class:`~hvd_zoadam.core.schedule.AutoFreeze` under
@@ -211,8 +220,9 @@ def resolve_schedule(world_size: int, beta2: float, *, var_freeze_step, var_upda
     return schedule, auto_freeze, scale
 
 
-def check_arguments(*, backward_passes_per_step, gradient_predivide_factor, groups, sparse_as_dense,
-                    bias_correction, local_step_policy, scale_block_numel, bucket_cap_mb):
+def check_arguments(*, backward_passes_per_step: int, gradient_predivide_factor: float,
+                    groups: int | list[list[torch.Tensor]] | None, sparse_as_dense: bool, bias_correction: bool,
+                    local_step_policy: str, scale_block_numel: int | str | None, bucket_cap_mb: float):
     """The factory's other arguments (the schedule's knobs are :class:`~hvd_zoadam.core.schedule.Schedule`'s).
     Returns ``scale_block_numel`` as an int (or None, or ``"auto"``)."""
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):

@@ -19,6 +19,7 @@ is given, and hands started handles back to whoever drains them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hvd_zoadam.core.schedule import StepKind
@@ -74,7 +75,8 @@ class Overlap:
         """Buckets in the order their exchanges start: last bucket first."""
         return list(range(nbuckets - 1, -1, -1))
 
-    def param_ready(self, index: int, bucket_sizes: list, next_step, launch) -> None:
+    def param_ready(self, index: int, bucket_sizes: list, next_step: Callable[[], tuple[int, StepKind]],
+                    launch: Callable[[Window, int], None]) -> None:
         """A param of bucket ``index`` got its last backward pass; launch what is ready.
 
         ``bucket_sizes``: params per bucket. ``next_step()`` -> (step, kind) of the coming step.
@@ -91,7 +93,7 @@ class Overlap:
             return
         self._launch_in_order(len(bucket_sizes), launch, lambda bi: self.ready[bi] >= bucket_sizes[bi])
 
-    def complete(self, step: int, kind: StepKind, nbuckets: int, launch) -> None:
+    def complete(self, step: int, kind: StepKind, nbuckets: int, launch: Callable[[Window, int], None]) -> None:
         """Launch, in launch order, every bucket the hooks have not launched for the coming
         step (``step``, ``kind``), through ``launch(window, index)``; ``synchronize()`` calls it
         before the "gradients changed?" flag. A parameter with no gradient on this rank (or no
@@ -126,7 +128,8 @@ class Overlap:
             return None
         return window
 
-    def stale(self, step: int, kind: StepKind, nbuckets: int, launch) -> Window | None:
+    def stale(self, step: int, kind: StepKind, nbuckets: int,
+              launch: Callable[[Window, int], None]) -> Window | None:
         """The open window if it was started for another step or kind (the schedule moved, e.g.
         a load between backward and step), to be drained, else None. Its buckets the hooks did
         not launch are launched first, as :meth:`complete` does, so that every rank drains the

@@ -6,10 +6,14 @@ here after it ran.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
 from hvd_zoadam.core.schedule import NEVER, StepKind
+
+if TYPE_CHECKING:
+    from hvd_zoadam.comm.transport import CommCounter
 
 KIND_NAMES = [k.value for k in StepKind]
 
@@ -26,7 +30,7 @@ class CommStats:
         self.skipped_steps = 0
         self._adam_equivalent_bytes = 0.0  # fractional per step, rounded when reported
 
-    def record(self, kind: StepKind, skip: bool, counter, world_size: int, numel: int) -> None:
+    def record(self, kind: StepKind, skip: bool, counter: CommCounter, world_size: int, numel: int) -> None:
         """One step of ``kind`` ran (``skip``: skipped on every rank). ``counter``: the transport's
         :class:`~hvd_zoadam.comm.transport.CommCounter`; ``numel``: trainable elements (for the fp32
         Adam allreduce the same step would have cost)."""
@@ -54,10 +58,11 @@ class StepLog:
         self.path = path
         self.loss = None  # the coming step's loss, from log_loss() or step(closure)
 
-    def set_loss(self, loss) -> None:
+    def set_loss(self, loss: torch.Tensor | float) -> None:
         self.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
-    def write(self, step: int, kind: StepKind, skip: bool, lr: float, stats: dict, loss=None) -> None:
+    def write(self, step: int, kind: StepKind, skip: bool, lr: float, stats: dict,
+              loss: torch.Tensor | float | None = None) -> None:
         if loss is not None:
             self.set_loss(loss)
         record = {"step": step, "kind": kind.value, "lr": lr, "loss": self.loss, "skipped": skip,
@@ -71,7 +76,7 @@ class ReportsMixin:
     """What an optimizer reports: ``comm_stats()``, ``memory_bytes()``, ``schedule_state()``,
     and the loss for the per-step log."""
 
-    def log_loss(self, loss) -> None:
+    def log_loss(self, loss: torch.Tensor | float) -> None:
         """Give the coming step's loss (a float or 0-dim tensor) to the per-step log."""
         if self._step_log:
             self._step_log.set_loss(loss)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import gc
 import inspect
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,17 +33,25 @@ from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.shell.optimizer import build_optimizer
 from hvd_zoadam.shell.options import documents_knobs
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_parameters", "broadcast_optimizer_state"]
 
 
 @documents_knobs()
-def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *, backward_passes_per_step=1,
-                         var_freeze_step="auto", var_update_scaler="auto", local_step_scaler=32768,
-                         local_step_clipper=8, local_step_policy="lr", var_update_weighting="interval",
-                         bias_correction=True, transport="auto",
-                         bucket_cap_mb=25.0, scale_block_numel="auto", exp_avg_mask=None, auto_exp_avg_mask=True,
-                         precondition_compression=True, step_log=None, overlap=True, algorithm="zoadam",
-                         hierarchical=False):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         process_group: ProcessGroup | None = None, *, backward_passes_per_step: int = 1,
+                         var_freeze_step: int | str = "auto", var_update_scaler: int | str = "auto",
+                         local_step_scaler: int = 32768, local_step_clipper: int = 8, local_step_policy: str = "lr",
+                         var_update_weighting: str = "interval", bias_correction: bool = True,
+                         transport: str | Transport = "auto", bucket_cap_mb: float = 25.0,
+                         scale_block_numel: int | str | None = "auto",
+                         exp_avg_mask: dict[torch.Tensor | str, torch.Tensor] | None = None,
+                         auto_exp_avg_mask: bool = True, precondition_compression: bool = True,
+                         step_log: str | None = None, overlap: bool = True, algorithm: str = "zoadam",
+                         hierarchical: bool | str = False):
     """Wrap a ``torch.optim.Adam``/``AdamW`` into 0/1 Adam (or 1-bit Adam) over a
     ``torch.distributed`` process group, without Horovod.
 
@@ -93,7 +103,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, process_group=None, *
                                  "hvd_zoadam.distributed.DistributedOptimizer", knobs)
 
 
-def build_without_horovod(optimizer, named_parameters, resolve, front_end: str, knobs: dict):
+def build_without_horovod(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                          resolve: Callable[[], Transport], front_end: str, knobs: dict):
     """:func:`~hvd_zoadam.shell.optimizer.build_optimizer` for a front end without Horovod's
     own arguments: ``knobs``, the keyword-only arguments of :func:`DistributedOptimizer`
     (:data:`KNOBS`; ``transport`` is resolved by ``resolve`` and dropped here)."""
@@ -106,7 +117,8 @@ KNOBS = {name: p.default for name, p in inspect.signature(DistributedOptimizer).
          if p.kind is p.KEYWORD_ONLY}  # every 0/1 Adam and 1-bit Adam knob, and its default
 
 
-def OnebitAdam(optimizer, named_parameters=None, process_group=None, *, freeze_step, **kwargs):
+def OnebitAdam(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+               process_group: ProcessGroup | None = None, *, freeze_step: int, **kwargs: object):
     """1-bit Adam (Tang et al., arXiv 2102.02888) over a ``torch.distributed`` process group:
     ``DistributedOptimizer(optimizer, named_parameters, process_group, algorithm="onebit",
     var_freeze_step=freeze_step, **kwargs)`` (see :func:`hvd_zoadam.OnebitAdam`)."""
@@ -114,7 +126,7 @@ def OnebitAdam(optimizer, named_parameters=None, process_group=None, *, freeze_s
                                 var_freeze_step=freeze_step, **kwargs)
 
 
-def refuse_ddp(optimizer) -> None:
+def refuse_ddp(optimizer: torch.optim.Optimizer) -> None:
     """ValueError when a parameter of ``optimizer`` belongs to a live ``DistributedDataParallel``."""
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -132,7 +144,8 @@ def _group_root(root_rank: int, process_group):
     return dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
 
 
-def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None:
+def broadcast_parameters(params: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int = 0,
+                         process_group: ProcessGroup | None = None) -> None:
     """``hvd.broadcast_parameters`` over ``torch.distributed``: every rank's tensors become
     ``root_rank``'s, in place. ``params``: ``model.state_dict()``, ``model.named_parameters()``
     or a list of ``(name, tensor)``; the order of the names is what pairs the tensors, and it
@@ -143,7 +156,8 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
     broadcast_tensors(params, lambda tensor: dist.broadcast(tensor.data, src=src, group=process_group))
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_group: ProcessGroup | None = None) -> None:
     """``hvd.broadcast_optimizer_state`` over ``torch.distributed``: every rank takes
     ``root_rank``'s ``state_dict()`` (m, v, the anchor, the schedule counters, lr and the other
     group settings), then ``load_state_dict`` of it. The error buffers stay each rank's own.
@@ -155,7 +169,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None)
     import torch.distributed as dist
     src = _group_root(root_rank, process_group)
 
-    def broadcast_object(obj):
+    def broadcast_object(obj: object):
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=process_group)
         return box[0]
@@ -169,7 +183,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None)
                     lambda tensor: dist.broadcast(tensor, src=src, group=process_group), all_agree)
 
 
-def broadcast_tensors(params, broadcast) -> None:
+def broadcast_tensors(params: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                      broadcast: Callable[[torch.Tensor], object]) -> None:
     """:func:`broadcast_parameters` over any collective: ``broadcast(tensor)`` makes one
     tensor the root's in place, on every rank, in the order of ``params``' names."""
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
@@ -179,7 +194,8 @@ def broadcast_tensors(params, broadcast) -> None:
                 broadcast(tensor)
 
 
-def broadcast_state(optimizer, root_rank: int, broadcast_object, broadcast, all_agree) -> None:
+def broadcast_state(optimizer: torch.optim.Optimizer, root_rank: int, broadcast_object: Callable[[object], object],
+                    broadcast: Callable[[torch.Tensor], object], all_agree: Callable[[bool], bool]) -> None:
     """:func:`broadcast_optimizer_state` over any collective: ``broadcast_object(obj)``
     returns the root's plain object (param groups and each state tensor's key, shape and
     dtype, pickled by this job's own root rank), ``broadcast(tensor)`` makes one tensor the

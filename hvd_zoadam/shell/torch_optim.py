@@ -110,7 +110,7 @@ class StateDictMixin:
             return None
         kept = [(self._engine.load_x(b).clone(), b.exp_avg.clone()) for b in self._buckets]
 
-        def average_(tensor, name):
+        def average_(tensor: torch.Tensor, name: str):
             return self.transport.wait(self.transport.start("allreduce", tensor, name, count=False))
         try:
             for index, b in enumerate(self._buckets):
@@ -261,7 +261,7 @@ class StateDictMixin:
         this optimizer or whose counters are not what 0/1 Adam keeps (a damaged file that still
         unpickles): ``step`` and ``exp_avg_sq_steps`` ints with 0 <= k <= step, ``freeze_lr`` a
         number or None, ``lr_sum`` and ``decay_product`` numbers."""
-        def number(value):
+        def number(value: object):
             return isinstance(value, (int, float)) and not isinstance(value, bool)
         counters = state_dict["param_groups"][0][STATE_KEY]
         if not isinstance(counters, dict) or not {"step", "exp_avg_sq_steps", "freeze_lr"} <= set(counters):

@@ -14,10 +14,17 @@ No collectives here: the step calls ``ctx.exchange``.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hvd_zoadam.core import step_math
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.algorithms.zeroone import variance_step
 from hvd_zoadam.core.schedule import Schedule, StepKind
+
+if TYPE_CHECKING:
+    import torch
+
+    from hvd_zoadam.core.engine import Bucket
 
 
 class OnebitAdam:
@@ -87,7 +94,7 @@ class _MomentumStep:
     def run(self) -> None:
         self.ctx.skipped = not self.ctx.exchange(self.engine.buckets, self.fill, self.consume)
 
-    def fill(self, b, buf) -> None:
+    def fill(self, b: Bucket, buf: torch.Tensor) -> None:
         """buf <- m_r = β1·m + (1 − β1)·g_r (with Adam's L2 term in g_r), zero padding."""
         engine = self.engine
         h = engine.hyper(b, self.ctx.step, self.k)
@@ -96,7 +103,7 @@ class _MomentumStep:
         buf[b.numel:].zero_()
         step_math.local_momentum(engine.load_x(b), g, b.exp_avg, h, out=buf[:b.numel])
 
-    def consume(self, b, w) -> None:
+    def consume(self, b: Bucket, w: torch.Tensor) -> None:
         """m <- w (masked), then x <- x − γ·m̂/s with the frozen v (and AdamW's decay)."""
         engine = self.engine
         h = engine.hyper(b, self.ctx.step, self.k)

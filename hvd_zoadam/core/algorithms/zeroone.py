@@ -14,12 +14,17 @@ exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exch
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hvd_zoadam import native
 from hvd_zoadam.core import step_math
 from hvd_zoadam.core.algorithms import StepContext
 from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
+
+if TYPE_CHECKING:
+    from hvd_zoadam.core.engine import Bucket, Engine
 
 
 class ZeroOneAdam:
@@ -80,7 +85,7 @@ class ZeroOneAdam:
         return items
 
     # -- the COMPRESSED step's gradient exchange (run by synchronize() or the hooks) ----------
-    def compressed_pre(self, engine, b, step: int, counters: dict):
+    def compressed_pre(self, engine: Engine, b: Bucket, step: int, counters: dict):
         """(s, clip) of bucket ``b`` for the preconditioned exchange of a COMPRESSED step, or None.
 
         With ``precondition_compression`` the exchange runs on y = g/s (s = sqrt(v̂) + eps,
@@ -97,7 +102,7 @@ class ZeroOneAdam:
         return engine.denom(b, h), step_math.normalized_gradient_bound(h, engine.transport.world_size)
 
     @staticmethod
-    def fill_compressed(engine, b, buf, pre) -> None:
+    def fill_compressed(engine: Engine, b: Bucket, buf: torch.Tensor, pre: tuple[torch.Tensor, float] | None) -> None:
         """buf <- the exchange input of a COMPRESSED step: g, or g/s clipped (``pre`` = (s, clip))."""
         buf[b.numel:].zero_()
         engine.grads_into(b, buf)
@@ -105,7 +110,8 @@ class ZeroOneAdam:
             native.clamp_finite_(buf[:b.numel].div_(pre[0]), pre[1])  # a NaN/Inf must reach the scales
 
     @staticmethod
-    def consume_compressed(engine, b, w, pre) -> None:
+    def consume_compressed(engine: Engine, b: Bucket, w: torch.Tensor,
+                           pre: tuple[torch.Tensor, float] | None) -> None:
         """p.grad <- the exchanged ĝ (times s when preconditioned; masked coordinates 0)."""
         if pre is not None:
             w.mul_(pre[0])
@@ -145,7 +151,8 @@ class ZeroOneAdam:
         for group in engine.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
-    def local_update(self, engine, b, h: step_math.Hyper, denom, x=None, exp_avg=None):
+    def local_update(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
+                     x: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None):
         """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
         is not finite, algorithm.md §5). Returns x, float32[n], not yet scattered.
 
@@ -163,7 +170,8 @@ class ZeroOneAdam:
             step_math.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
         return x
 
-    def local_update_in_place(self, engine, b, h: step_math.Hyper, denom, window=None) -> bool:
+    def local_update_in_place(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
+                              window: tuple[torch.Tensor, float] | None = None) -> bool:
         """:meth:`local_update` on bucket ``b`` tensor by tensor, each ``p.grad`` read where it
         is and x written into ``p`` itself: one pass per tensor (:func:`native.local_step`), no
         gather and no scatter, bitwise the same x and m. With ``window`` = (out float32[n],
@@ -206,7 +214,7 @@ class ZeroOneAdam:
     def sync_step(self, ctx: StepContext, k: int) -> None:
         _SyncStep(self, ctx, k).run()
 
-    def sync_input(self, engine, b, step: int, counters: dict, buf) -> bool:
+    def sync_input(self, engine: Engine, b: Bucket, step: int, counters: dict, buf: torch.Tensor) -> bool:
         """A SYNC step's exchange input for bucket ``b``, from the backward hooks before
         ``step()``: the window's update u after this step's local update, into the padded
         float32 ``buf``, with x, m and the window left as they are (the local update runs on
@@ -231,7 +239,7 @@ class ZeroOneAdam:
         fill_sync(b, x, denom, decay_product, buf, self.precondition_compression)
         return True
 
-    def deliver_owed(self, engine, b, owed, step: int, k: int) -> None:
+    def deliver_owed(self, engine: Engine, b: Bucket, owed: torch.Tensor, step: int, k: int) -> None:
         """Put the error feedback that a job of several ranks still owed, ``owed`` =
         float32[n] (the pooled worker plus server error of bucket ``b``, in the exchange's
         units), into x and the anchor at once: at P = 1 no exchange will ever deliver it
@@ -245,7 +253,7 @@ class ZeroOneAdam:
         engine.scatter(x, b.params)
 
     @staticmethod
-    def window_open(engine) -> bool:
+    def window_open(engine: Engine) -> bool:
         """Whether a window of local steps has moved since its anchor (some group's Λ > 0)."""
         return any(group.get("lr_sum", 0.0) > 0 for group in engine.param_groups)
 
@@ -279,7 +287,7 @@ def compressed_step(ctx: StepContext, k: int) -> None:
         step_math.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
 
 
-def window_after(group) -> tuple[float, float]:
+def window_after(group: dict) -> tuple[float, float]:
     """(Λ, decay product) of ``group``'s window once this step is in it: Λ + γ, and the
     product times (1 − γλ) under AdamW's decoupled weight decay."""
     lr = float(group["lr"])
@@ -289,13 +297,14 @@ def window_after(group) -> tuple[float, float]:
     return group["lr_sum"] + lr, decay_product
 
 
-def advance_window(param_groups) -> None:
+def advance_window(param_groups: list[dict]) -> None:
     """Λ += γ and the window's decay product *= (1 − γλ) (AdamW), per param group."""
     for group in param_groups:
         group["lr_sum"], group["decay_product"] = window_after(group)
 
 
-def fill_sync(b, x, denom, decay_product: float, buf, preconditioned: bool) -> None:
+def fill_sync(b: Bucket, x: torch.Tensor, denom: torch.Tensor, decay_product: float, buf: torch.Tensor,
+              preconditioned: bool) -> None:
     """SYNC steps 2–3 of bucket ``b``: the window's update u = x_a·(decay product) − x, times
     s when not ``preconditioned``, into the padded float32 ``buf`` (zeros past n)."""
     buf[b.numel:].zero_()
@@ -360,7 +369,7 @@ class _SyncStep:
             elif defer:
                 engine.scatter(self.x(b), b.params)
 
-    def local_update(self, b, scatter: bool) -> None:
+    def local_update(self, b: Bucket, scatter: bool) -> None:
         """SYNC step 1 on bucket ``b``: in the parameters themselves where
         :meth:`ZeroOneAdam.local_update_in_place` takes it, else :meth:`ZeroOneAdam.local_update`,
         whose x stays in the scratch."""
@@ -373,20 +382,20 @@ class _SyncStep:
             self.engine.scatter(x, b.params)
         self.x_for = b
 
-    def denom(self, b):
+    def denom(self, b: Bucket):
         if self.denom_for is not b:
             self.denom_value = self.engine.denom(b, self.engine.hyper(b, self.ctx.step, self.k))
             self.denom_for = b
         return self.denom_value
 
-    def x(self, b):
+    def x(self, b: Bucket):
         """x as the local update left it (and scattered it): no second gather when it is still there."""
         if self.x_for is not b:
             self.engine.load_x(b)
             self.x_for = b
         return self.engine.x_buffer(b)
 
-    def fill(self, b, buf) -> None:
+    def fill(self, b: Bucket, buf: torch.Tensor) -> None:
         """SYNC steps 2–3: the window's update u into the exchange input ``buf``."""
         group = self.engine.param_groups[b.group_index]
         fill_sync(b, self.x(b), self.denom(b), group["decay_product"], buf, self.preconditioned)
@@ -395,7 +404,7 @@ class _SyncStep:
         group = self.engine.param_groups[b.group_index]
         return self.engine.hyper(b, self.ctx.step, self.k).bias_correction1 / group["lr_sum"]
 
-    def consume(self, b, w) -> None:
+    def consume(self, b: Bucket, w: torch.Tensor) -> None:
         """SYNC steps 5–7 from the unpacked w."""
         group = self.engine.param_groups[b.group_index]
         x = self.engine.x_buffer(b)
@@ -410,7 +419,7 @@ class _SyncStep:
                               self.engine.hyper(b, self.ctx.step, self.k), mask, self.preconditioned)
         self._finish(b, x, mask)
 
-    def consume_packed(self, b, packed, server_scales) -> None:
+    def consume_packed(self, b: Bucket, packed: torch.Tensor, server_scales: torch.Tensor) -> None:
         """The same as :meth:`consume`, fused: w is unpacked straight into m, the anchor and x,
         which is the parameters themselves where :meth:`Engine.own_params` gives them (no
         gathered x, no scatter), else the scratch."""
