@@ -191,13 +191,23 @@ def test_compressed_allreduce_gives_the_oracle_or_a_named_error_on_both_ranks(ca
 
 # -- checkpoint files ---------------------------------------------------------------------------
 
+def _two_layers() -> torch.nn.Module:
+    """The same small model on every thread rank (torch's global generator is shared by the threads)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt")
     prefix = str(folder / "ckpt")
 
     def body(rank, transport):
-        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        model = _two_layers()
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                               named_parameters=model.named_parameters(), transport=transport,
                                               var_freeze_step=2, var_update_scaler=1, local_step_clipper=2)

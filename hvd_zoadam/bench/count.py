@@ -174,9 +174,10 @@ def scaled_model(divisor: int) -> tuple[torch.nn.Module, float]:
     return model, (cap // divisor) * 4 / 2 ** 20
 
 
-def count(path: str, world_size: int, divisor: int = DIVISOR) -> dict:
-    """The counts of one step of each kind, rank 0 of ``world_size`` thread ranks (see the module
-    docstring). ``path``: ``"cpu"`` or ``"cuda-sim"`` (the CUDA simulator must be on)."""
+def count(path: str, world_size: int, divisor: int = DIVISOR, kinds: tuple = tuple(KIND_CONFIGS)) -> dict:
+    """The counts of one step of each of ``kinds`` (default all four), rank 0 of ``world_size``
+    thread ranks (see the module docstring). ``path``: ``"cpu"`` or ``"cuda-sim"`` (the CUDA
+    simulator must be on)."""
     import hvd_zoadam
     from hvd_zoadam import native
     from hvd_zoadam.comm.thread import ThreadGroup
@@ -209,8 +210,8 @@ def count(path: str, world_size: int, divisor: int = DIVISOR) -> dict:
                        collectives=calls["collectives"], host_syncs=mode.host_syncs,
                        allocations=mode.allocations, bytes=mode.bytes + launches.bytes)
 
-    for kind, knobs in KIND_CONFIGS.items():
-        out = {}
+    for kind in kinds:
+        knobs, out = KIND_CONFIGS[kind], {}
         group = ThreadGroup(world_size, timeout_s=600)
         threads = [threading.Thread(target=body, args=(r, t, knobs, out if r == 0 else {}))
                    for r, t in enumerate(group.transports())]

@@ -73,9 +73,9 @@ class CollectiveNames:
         """Prefix of bucket ``index``'s exchange: ``.scales``, ``.signs``, ``.server`` follow."""
         return f"zoadam.{self.prefix}.b{index}"
 
-    def average(self, index: int, tensor: int) -> str:
-        """The full-precision allreduce of tensor ``tensor`` of bucket ``index``."""
-        return f"{self.bucket(index)}.avg.{tensor}"
+    def average(self, index: int) -> str:
+        """The full-precision allreduce of bucket ``index``'s gradients."""
+        return f"{self.bucket(index)}.avg"
 
     def pool(self, index: int) -> str:
         """Prefix of bucket ``index``'s error-feedback pooling (``.a`` alltoall, ``.b`` allgather)."""
@@ -397,14 +397,17 @@ class Exchange:
 
 
 class Average:
-    """The full-precision average of buckets' gradients (VARIANCE steps), as Horovod does it.
+    """The full-precision average of buckets' gradients (VARIANCE steps), one collective per bucket.
 
-    Per tensor an in-place ``allreduce`` with op=Average on ``p.grad`` (a float32 copy), named
-    per bucket and tensor so that the hooks' path and ``synchronize()``'s pair up across
-    ranks; a bucket counts as one round of its bytes, as Horovod fuses them. With
-    ``fp16_wire`` the tensors travel as float16 (``hvd.Compression.fp16``);
-    ``gradient_predivide_factor`` f splits the average into a divide by f before and a
-    multiply by f after Horovod's average, as Horovod does.
+    A bucket's gradients are gathered into one float32 buffer (one ``cat``), averaged by one
+    in-place ``allreduce`` with op=Average, named after the bucket, and written back into each
+    ``p.grad`` (one ``_foreach_copy_``): under ``torch.distributed`` and MPI, where nothing fuses
+    collectives, a step makes as many collectives as there are buckets, not tensors (Horovod
+    fuses either). With ``fp16_wire`` the buffer travels as float16 (``hvd.Compression.fp16``);
+    ``gradient_predivide_factor`` f splits the average into a divide by f before and a multiply
+    by f after the collective's average, as Horovod does. The average of each element is the
+    same as a per-tensor allreduce's wherever the transport reduces element by element in a
+    fixed rank order (the thread and MPI transports; Horovod's fusion already groups tensors).
 
     Args:
         transport: the collectives. names: the :class:`CollectiveNames`.
@@ -419,54 +422,57 @@ class Average:
         self.fp16_wire = fp16_wire
         self.sparse_grad = sparse_grad
 
-    def start(self, index: int, b: Any, inv_grad_scale: float | None = None, copy: bool = False) -> list:
-        """Start the average of each gradient of bucket ``b`` (number ``index``). ``copy``:
-        average a copy, leaving ``p.grad`` as it is until :meth:`finish` (the hooks' early
-        start, whose gradients may still change). Returns per-tensor (handle, wire tensor,
-        float32 tensor) triples for :meth:`finish`."""
-        f = self.gradient_predivide_factor
-        width = 2 if self.fp16_wire else 4
-        p_ = self.transport.world_size
-        self.transport.counter.add(2 * (p_ - 1) / p_ * width * b.numel)
-        out = []
-        for j, (p, name) in enumerate(zip(b.params, b.names)):
+    def _flat_grads(self, b: Any) -> torch.Tensor:
+        """Bucket ``b``'s gradients as one new float32[b.numel] tensor (a missing gradient is
+        zeros and becomes ``p.grad``; a sparse one is densified)."""
+        grads = []
+        for p, name in zip(b.params, b.names):
             g = p.grad
             if g is None:
                 g = p.grad = torch.zeros_like(p)
             elif g.is_sparse:
                 g = p.grad = self.sparse_grad(name, g)
-            g32 = g if (g.dtype == torch.float32 and g.is_contiguous() and not copy) else g.float().contiguous()
-            if g32 is g and copy:
-                g32 = g.clone()
-            if inv_grad_scale is not None:
-                g32.mul_(inv_grad_scale)
-            if f != 1.0:
-                g32.div_(f)
-            wire = g32.to(torch.float16) if width == 2 else g32
-            if p_ == 1 and width == 4:  # the average of one float32 tensor is itself: no collective
-                out.append((None, wire, g32))
-                continue
-            out.append((self.transport.start("allreduce", wire.view(-1), self.names.average(index, j), count=False),
-                        wire, g32))
-        return out
+            grads.append(g.reshape(-1))
+        flat = torch.cat(grads)
+        return flat if flat.dtype == torch.float32 else flat.float()
 
-    def finish(self, b: Any, started: list) -> list:
-        """Wait for :meth:`start`'s allreduces; write the float32 averages into p.grad.
-        Returns the float32 averages, for one finiteness check of the whole step."""
-        f, averages = self.gradient_predivide_factor, []
-        for p, (handle, wire, g32) in zip(b.params, started):
-            if handle is not None:
-                self.transport.wait(handle)
-            if wire is not g32:
-                g32.copy_(wire)
-            if f != 1.0:
-                g32.mul_(f)
-            averages.append(g32)
+    def start(self, index: int, b: Any, inv_grad_scale: float | None = None, copy: bool = False) -> tuple:
+        """Start the average of bucket ``b``'s gradients (number ``index``), from a copy: ``p.grad``
+        stays as it is until :meth:`finish` (``copy`` is accepted for the hooks' early start,
+        whose gradients may still change; the copy is always made). Returns ``(handle, wire,
+        flat)`` for :meth:`finish`: the collective's handle (None at P = 1 in float32), the
+        tensor on the wire and the float32 buffer."""
+        f = self.gradient_predivide_factor
+        width = 2 if self.fp16_wire else 4
+        p_ = self.transport.world_size
+        self.transport.counter.add(2 * (p_ - 1) / p_ * width * b.numel)
+        flat = self._flat_grads(b)
+        if inv_grad_scale is not None:
+            flat.mul_(inv_grad_scale)
+        if f != 1.0:
+            flat.div_(f)
+        wire = flat.to(torch.float16) if width == 2 else flat
+        if p_ == 1 and width == 4:  # the average of one float32 tensor is itself: no collective
+            return None, wire, flat
+        return self.transport.start("allreduce", wire, self.names.average(index), count=False), wire, flat
+
+    def finish(self, b: Any, started: tuple) -> torch.Tensor:
+        """Wait for :meth:`start`'s allreduce; write the float32 average into each ``p.grad``.
+        Returns the float32[b.numel] average, for one finiteness check of the whole step."""
+        handle, wire, flat = started
+        if handle is not None:
+            self.transport.wait(handle)
+        if wire is not flat:
+            flat.copy_(wire)
+        if self.gradient_predivide_factor != 1.0:
+            flat.mul_(self.gradient_predivide_factor)
+        grads = []
+        for p in b.params:
             if p.grad is None:  # dropped after the hooks started its allreduce
                 p.grad = torch.zeros_like(p)
-            if g32 is not p.grad:
-                p.grad.copy_(g32.view_as(p.grad))
-        return averages
+            grads.append(p.grad)
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        return flat
 
     def all(self, buckets: list, order: list, started: dict, inv_grad_scale: float | None = None) -> bool:
         """The average of every bucket, started in ``order`` (bucket indices) unless
@@ -475,9 +481,7 @@ class Average:
         handles = {}
         for bi in order:
             handles[bi] = started.pop(bi) if bi in started else self.start(bi, buckets[bi], inv_grad_scale)
-        averages = []
-        for bi in order:
-            averages += self.finish(buckets[bi], handles[bi])
+        averages = [self.finish(buckets[bi], handles[bi]) for bi in order]
         return native.all_finite_many(averages)  # on a GPU, one host synchronisation per step
 
 

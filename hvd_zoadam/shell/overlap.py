@@ -35,7 +35,7 @@ class Phase(enum.Enum):
 class Window:
     """What the hooks started for one coming step.
 
-    ``averages``: bucket index -> started allreduces (VARIANCE); ``scales``: bucket index ->
+    ``averages``: bucket index -> a started allreduce (VARIANCE); ``scales``: bucket index ->
     round 1 handle (COMPRESSED, SYNC); ``pre``: bucket index -> the preconditioning the worker side
     used; ``seen``: bucket index -> [(p.grad, its version)] the exchange read, to detect a
     gradient changed afterwards."""
@@ -50,7 +50,7 @@ class Window:
 
     def handles(self) -> list:
         """Every started handle (to wait for when the window is dropped)."""
-        out = [handle for started in self.averages.values() for handle, _, _ in started]
+        out = [handle for handle, _, _ in self.averages.values()]
         return out + list(self.scales.values())
 
 

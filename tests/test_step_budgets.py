@@ -1,0 +1,32 @@
+"""What one optimizer step launches, against the budgets it meets (``bench step --count``).
+
+The counted model is ``bench step``'s GPT layout (102 tensors in 24 buckets), scaled down; the
+counts do not depend on the tensors' sizes. Budgets per step, B buckets: a VARIANCE step makes
+at most one numba launch and three collectives per bucket, at most one host synchronisation
+and moves at most AdamW(foreach)'s 80 bytes per parameter; a LOCAL step makes no collective,
+no host synchronisation and no allocation, within the same 80 bytes. The CPU path only: the
+CUDA path under the simulator is counted by ``bench step --count --path cuda-sim`` (minutes).
+"""
+import pytest
+
+from hvd_zoadam.bench import count
+
+
+@pytest.fixture(scope="module")
+def counted():
+    return count.count("cpu", 2, kinds=("variance", "local"))
+
+
+def test_a_variance_step_averages_one_bucket_per_collective_and_checks_it_in_one_pass(counted):
+    b, v = counted["buckets"], counted["kinds"]["variance"]
+    assert b == 24
+    assert v["collectives"] <= 3 * b, v
+    assert v["numba_launches"] <= b, v
+    assert v["host_syncs"] <= 1, v
+    assert v["bytes_per_param"] <= 80, v
+
+
+def test_a_local_step_talks_to_no_one_stops_no_host_and_allocates_nothing(counted):
+    v = counted["kinds"]["local"]
+    assert v["collectives"] == 0 and v["host_syncs"] == 0 and v["allocations"] == 0, v
+    assert v["bytes_per_param"] <= 80, v
