@@ -11,7 +11,7 @@
 # inputs, and `bench step --device cuda` (each step kind against AdamW(foreach) on a ~100 M-
 # parameter GPT, P = 1). Needs torch with CUDA, numba's CUDA target (numba-cuda on newer
 # numba), pytest and hypothesis; not Horovod. Takes well under 5 minutes; the
-# results land in $OUT (default /tmp/hvd_zoadam_device_check, or the device tool's $OUT).
+# results land in $OUT when it is set, else in /tmp/hvd_zoadam_device_check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
