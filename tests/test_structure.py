@@ -257,3 +257,17 @@ def test_every_public_function_annotates_its_parameters():
                 missing += [f"{f.relative_to(ROOT)}:{node.lineno} {node.name}({x.arg})" for x in args
                             if x.annotation is None]
     assert not missing, missing[:20]
+
+
+def test_the_readme_is_a_user_guide():
+    """About 15 KB, at most three commit hashes, no table cell over 160 characters, an install
+    command and the torchrun change within the first 120 lines (the rest lives in docs/)."""
+    import re
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 15_500, len(text.encode())
+    hashes = re.findall(r"\b[0-9a-f]{7,40}\b", text)
+    assert len(hashes) <= 3, hashes
+    cells = [c.strip() for line in text.splitlines() if line.startswith("|") for c in line.strip("|").split("|")]
+    assert max(map(len, cells)) <= 160, max(cells, key=len)
+    head = "\n".join(text.splitlines()[:120])
+    assert "pip install" in head and "zd.DistributedOptimizer(" in head
