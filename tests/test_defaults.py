@@ -43,10 +43,12 @@ def decide(rule: AutoFreeze, lr_fn, steps: int):
 
 @pytest.mark.parametrize("warmup, beta2, kappa, want", [
     (60, 0.98, 8, 120),     # twice the warm-up
-    (10, 0.98, 8, 120),     # not before v's 4 kappa updates (15 kappa steps)
+    (10, 0.98, 8, 120),     # not before v's 32 updates (4 kappa at kappa = 8)
     (200, 0.98, 8, 400),    # a long warm-up: twice it
     (60, 0.999, 8, 250),    # not before a quarter of v's horizon, 1 / (1 - beta2)
-    (60, 0.98, 14, 210),    # 15 kappa at kappa = 14
+    (60, 0.98, 14, 120),    # kappa = 14: v has its 32 updates by step 56, so twice the warm-up
+    (10, 0.98, 14, 56),     # and with a short warm-up, that 32nd update
+    (10, 0.98, 3, 40),      # kappa = 3: 4 kappa = 12 updates, the last at step 40
 ])
 def test_the_freeze_is_twice_the_warmup_but_not_before_vs_updates_or_a_quarter_of_its_horizon(warmup, beta2, kappa,
                                                                                                want):
@@ -150,8 +152,8 @@ def test_a_knob_that_is_set_wins():
 
 
 def test_a_rate_that_keeps_rising_waits_and_warns_once(caplog):
-    """Earliest T_f at kappa = 1, beta2 = 0.98: max(15, 13) = 15; at step 4 x 15 = 60 with the rate
-    still rising, rank 0 warns once, and v is not frozen."""
+    """Earliest T_f at kappa = 1, beta2 = 0.98: max(8, 13) = 13 (v's fourth update is at step 8); at
+    step 4 x 13 = 52 with the rate still rising, rank 0 warns once, and v is not frozen."""
     model = common.mlp()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.98))
     opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
@@ -163,7 +165,7 @@ def test_a_rate_that_keeps_rising_waits_and_warns_once(caplog):
             opt.zero_grad()
             common.loss_fn(model, t, 0).backward()
             opt.step()
-    warned = [r for r in caplog.records if "has not frozen v by step 60" in r.getMessage()]
+    warned = [r for r in caplog.records if "has not frozen v by step 52" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
     assert opt.schedule_state()["var_freeze_step"] is None and not opt.schedule_state()["frozen"]
 

@@ -11,6 +11,7 @@ never reset a schedule (algorithm.md §7 #6).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -201,12 +202,12 @@ class AutoFreeze:
     T_f is the first step t at which t >= 2W and t >= E: W the last step so far whose learning
     rate rose above the step before's (0 while it has not risen), so that the warm-up is over
     once the rate has not risen for as long as it rose (a warm-up that rises in plateaus, as one
-    stepped per epoch, is not taken as over on a plateau); and E = max(15κ, ⌈(1/4)/(1 − β2)⌉),
-    no earlier than the end of T_v's fourth interval, so that v has had 4κ updates, nor than a
-    quarter of v's horizon 1/(1 − β2) (250 steps at β2 = 0.999, 13 at 0.98). So twice the
-    warm-up, E with a constant or only decaying rate. Once decided, T_f never changes. A rate
-    that stays flat for E steps and only then rises (a warm-up stepped per epoch of more than E
-    steps) freezes at E, before its rise.
+    stepped per epoch, is not taken as over on a plateau); and E = max(S, ⌈(1/4)/(1 − β2)⌉), no
+    earlier than S, the step by which v has had min(4κ, 32) updates (120 at κ = 8, the end of
+    T_v's fourth interval; 56 at κ = 14), nor than a quarter of v's horizon 1/(1 − β2) (250 steps
+    at β2 = 0.999, 13 at 0.98). So twice the warm-up, E with a constant or only decaying rate.
+    Once decided, T_f never changes. A rate that stays flat for E steps and only then rises (a
+    warm-up stepped per epoch of more than E steps) freezes at E, before its rise.
 
     Args:
         var_update_scaler: κ of the schedule. beta2: β2 of the first param group.
@@ -216,8 +217,9 @@ class AutoFreeze:
     beta2: float
 
     def earliest(self) -> int:
-        """The earliest T_f whatever the warm-up: max(15κ, ⌈(1/4)/(1 − β2)⌉) steps."""
-        return max(15 * self.var_update_scaler, math.ceil(0.25 / max(1e-12, 1.0 - self.beta2)))
+        """The earliest T_f whatever the warm-up, in steps: max(S, ⌈(1/4)/(1 − β2)⌉), S the step of
+        v's min(4κ, 32)-th update in T_v (120 at κ = 8, 56 at κ = 14)."""
+        return _earliest_freeze(self.var_update_scaler, self.beta2)
 
     def observe(self, state: dict, step: int, lr: float) -> int | None:
         """Take step ``step``'s learning rate into ``state`` (a dict the caller keeps, the same on
@@ -239,3 +241,10 @@ class AutoFreeze:
         """``base`` with the T_f decided in ``state`` (:data:`NEVER` while undecided)."""
         decided = state.get("var_freeze_step")
         return base if decided is None or decided == base.var_freeze_step else replace(base, var_freeze_step=decided)
+
+
+@functools.lru_cache(maxsize=16)
+def _earliest_freeze(var_update_scaler: int, beta2: float) -> int:
+    """:meth:`AutoFreeze.earliest`, computed once per (κ, β2): it is read at every step before T_f."""
+    updates = Schedule(NEVER, var_update_scaler, 1, 1).variance_steps(16 * var_update_scaler)
+    return max(updates[min(4 * var_update_scaler, 32) - 1], math.ceil(0.25 / max(1e-12, 1.0 - beta2)))

@@ -137,7 +137,8 @@ KNOB_DOCS = {
                                 "before ``step()``; more raise Horovod's error.",
     "var_freeze_step": "T_f, steps: the last step before v (``exp_avg_sq``) freezes; after it the ranks take local "
                        "steps between syncs. ``\"auto\"`` decides it during training from the learning rate: twice "
-                       "the warm-up, no earlier than 15κ steps nor a quarter of 1/(1 − β2) (docs/algorithm.md §4). "
+                       "the warm-up, no earlier than v's min(4κ, 32)-th update (step 120 at κ = 8, 56 at κ = 14) "
+                       "nor a quarter of 1/(1 − β2) (docs/algorithm.md §4). "
                        "Set it where the rate has no warm-up to read, or to freeze sooner over a slow link.",
     "var_update_scaler": "κ: updates of v (full-precision VARIANCE steps) per interval before the interval "
                          "doubles. ``\"auto\"``: 8, or 14 from 64 ranks. Higher: closer to Adam, more bytes.",
