@@ -4,7 +4,10 @@ The counted model is ``bench step``'s GPT layout (102 tensors in 24 buckets), sc
 counts do not depend on the tensors' sizes. Budgets per step, B buckets: a VARIANCE step makes
 at most one numba launch and three collectives per bucket, at most one host synchronisation
 and moves at most AdamW(foreach)'s 80 bytes per parameter; a LOCAL step makes no collective,
-no host synchronisation and no allocation, within the same 80 bytes. The CPU path only: the
+no host synchronisation and no allocation, within the same 80 bytes; a COMPRESSED or SYNC step
+reads each bucket's skip flags once (one host synchronisation per bucket, and a second on the
+first step after v changed, where the bucket's mask of v = 0 is checked: the budget of one per
+step is not met yet) and makes at most three collectives per bucket. The CPU path only: the
 CUDA path under the simulator is counted by ``bench step --count --path cuda-sim`` (minutes).
 """
 import pytest
@@ -14,7 +17,7 @@ from hvd_zoadam.bench import count
 
 @pytest.fixture(scope="module")
 def counted():
-    return count.count("cpu", 2, kinds=("variance", "local"))
+    return count.count("cpu", 2, kinds=("variance", "local", "compressed", "sync"))
 
 
 def test_a_variance_step_averages_one_bucket_per_collective_and_checks_it_in_one_pass(counted):
@@ -30,3 +33,12 @@ def test_a_local_step_talks_to_no_one_stops_no_host_and_allocates_nothing(counte
     v = counted["kinds"]["local"]
     assert v["collectives"] == 0 and v["host_syncs"] == 0 and v["allocations"] == 0, v
     assert v["bytes_per_param"] <= 80, v
+
+
+@pytest.mark.parametrize("kind", ["compressed", "sync"])
+def test_a_compressed_or_sync_step_reads_each_buckets_flags_once(counted, kind):
+    """The server decides its flag on the device (steps announced alike, scales finite): the host
+    reads the gathered flags of a bucket once, not the steps and scales apart."""
+    b, v = counted["buckets"], counted["kinds"][kind]
+    assert v["host_syncs"] <= (2 * b if kind == "compressed" else b), v   # counted after a VARIANCE step
+    assert v["collectives"] <= 3 * b, v

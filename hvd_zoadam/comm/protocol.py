@@ -317,28 +317,24 @@ class Exchange:
         steps = recv[:, 4 * s:4 * s + 4].contiguous().view(torch.int32).view(-1)
         msg = self._server_msg
         head = msg[:12].view(torch.int32)
-        low, high = int(steps.min()), int(steps.max())
-        head[1], head[2] = low, high
+        torch.stack(torch.aminmax(steps), out=head[1:3])
         scales = recv[:, :4 * s].contiguous().view(torch.float32)[:, :count]
-        if low != high:
-            head[0] = 2
-        elif not bool(torch.isfinite(scales).all()):
-            head[0] = 1
-        else:
-            head[0] = 0
-            self._worker_scales[:, lo:lo + count] = scales
-            if self._server_next is None:
-                self._server_next = torch.zeros_like(self.server_error)
-            packed = recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].contiguous()
-            native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
-                                 self._server_packed, self._server_scales, error_out=self._server_next)
-            self._reduced = True
-            # Finite worker scales can still sum past float32's range: an infinite server scale
-            # skips the step like a worker's would (set on the device: no host synchronisation)
-            head[0:1] = (~torch.isfinite(self._server_scales[lo:lo + count])).any().to(torch.int32)
-            if s:
-                msg[12:12 + 4 * s].view(torch.float32)[:count] = self._server_scales[lo:lo + count]
-            msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed
+        # Decided on the device, read by the host once in gather_status: 2 when the ranks announced
+        # different steps, 1 when a worker scale or (finite ones summed past float32's range) a
+        # server scale is not finite, else 0. The chunk is reduced in every case; a flagged
+        # exchange rolls back, dropping the staged server error.
+        self._worker_scales[:, lo:lo + count] = scales
+        if self._server_next is None:
+            self._server_next = torch.zeros_like(self.server_error)
+        packed = recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].contiguous()
+        native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
+                             self._server_packed, self._server_scales, error_out=self._server_next)
+        self._reduced = True
+        bad = torch.cat((scales.reshape(-1), self._server_scales[lo:lo + count])).isfinite().logical_not_().any()
+        head[0:1].copy_(bad).masked_fill_(head[1:2] != head[2:3], 2)
+        if s:
+            msg[12:12 + 4 * s].view(torch.float32)[:count] = self._server_scales[lo:lo + count]
+        msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed
         return self.transport.start("allgather", msg, f"{self.name}.server")
 
     def gather(self, server_handle: object):
@@ -361,16 +357,16 @@ class Exchange:
         different steps) and ``result`` None unless the flag is 0."""
         p, s = self.transport.world_size, self.max_pieces
         gathered = self.transport.wait(server_handle).view(p, self._m3)
-        head = gathered[:, :12].contiguous().view(torch.int32)
-        flags = head[:, 0].tolist()
+        heads = gathered[:, :12].contiguous().view(torch.int32)[:, :3].tolist()   # the one host read
+        flags = [h[0] for h in heads]
         if any(flags):
             q = flags.index(2) if 2 in flags else next(i for i, f in enumerate(flags) if f)
-            return flags[q], int(head[q, 1]), int(head[q, 2]), None
+            return flags[q], heads[q][1], heads[q][2], None
         packed = gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8].reshape(-1)
         server_scales = torch.zeros(p, self.nseg + 1, dtype=torch.float32, device=self.device)
         if s:
             server_scales.scatter_(1, self._idx, gathered[:, 12:12 + 4 * s].contiguous().view(torch.float32))
-        return 0, int(head[0, 1]), int(head[0, 2]), (packed, server_scales[:, :self.nseg].contiguous())
+        return 0, heads[0][1], heads[0][2], (packed, server_scales[:, :self.nseg].contiguous())
 
     def commit(self) -> None:
         """The exchange is not skipped: the staged errors become ``worker_error`` and
