@@ -99,6 +99,15 @@ class NonFiniteError(FloatingPointError):
     """A compressed allreduce met a NaN or Inf input on some rank; all ranks raise it together."""
 
 
+def first_flag(heads: list[list[int]]) -> tuple[int, int, int]:
+    """``(flag, lowest step, highest step)`` of one bucket's round 2 from every server's
+    ``[flag, low, high]`` (``heads``, in rank order): the first server's flagging a step mismatch
+    (2), else the first non-zero flag (1: a non-finite scale), else (0, the first server's steps)."""
+    flags = [h[0] for h in heads]
+    q = flags.index(2) if 2 in flags else next((i for i, f in enumerate(flags) if f), 0)
+    return heads[q][0], heads[q][1], heads[q][2]
+
+
 def step_mismatch(name: str, low: int, high: int) -> StepMismatchError:
     """The error every rank raises when the exchange ``name`` met ranks at different steps."""
     return StepMismatchError(
@@ -354,19 +363,28 @@ class Exchange:
     def gather_status(self, server_handle: object):
         """:meth:`gather` without raising: ``(flag, lowest step, highest step, result)``, with
         the flag of the first server that raised one (0: none; 1: a non-finite scale; 2: ranks at
-        different steps) and ``result`` None unless the flag is 0."""
+        different steps) and ``result`` None unless the flag is 0. One host read."""
+        gathered = self.wait_gathered(server_handle)
+        flag, low, high = first_flag(self.heads(gathered).tolist())
+        return flag, low, high, None if flag else self.result_of(gathered)
+
+    def wait_gathered(self, server_handle: object) -> torch.Tensor:
+        """Wait for round 2: every server's message, uint8[P, m3], on the device; nothing read."""
+        return self.transport.wait(server_handle).view(self.transport.world_size, self._m3)
+
+    @staticmethod
+    def heads(gathered: torch.Tensor) -> torch.Tensor:
+        """Each server's (flag, lowest step, highest step) in ``gathered``: int32[P, 3], a view."""
+        return gathered[:, :12].contiguous().view(torch.int32)[:, :3]
+
+    def result_of(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """C(y) still packed from round 2's messages (:meth:`gather`'s result), on the device."""
         p, s = self.transport.world_size, self.max_pieces
-        gathered = self.transport.wait(server_handle).view(p, self._m3)
-        heads = gathered[:, :12].contiguous().view(torch.int32)[:, :3].tolist()   # the one host read
-        flags = [h[0] for h in heads]
-        if any(flags):
-            q = flags.index(2) if 2 in flags else next(i for i, f in enumerate(flags) if f)
-            return flags[q], heads[q][1], heads[q][2], None
         packed = gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8].reshape(-1)
         server_scales = torch.zeros(p, self.nseg + 1, dtype=torch.float32, device=self.device)
         if s:
             server_scales.scatter_(1, self._idx, gathered[:, 12:12 + 4 * s].contiguous().view(torch.float32))
-        return 0, heads[0][1], heads[0][2], (packed, server_scales[:, :self.nseg].contiguous())
+        return packed, server_scales[:, :self.nseg].contiguous()
 
     def commit(self) -> None:
         """The exchange is not skipped: the staged errors become ``worker_error`` and
@@ -539,12 +557,12 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
         handles[id(b)] = b.exchange.start(b.exchange.input)
     served = [b.exchange.serve(handles[id(b)]) for b in buckets]
     try:
-        results = [b.exchange.gather(h) for b, h in zip(buckets, served)]
+        results = _gather_all(buckets, served)
     except StepMismatchError:
         for b in buckets:
             b.exchange.rollback()
         raise
-    if any(r is None for r in results):
+    if results is None:
         for b in buckets:
             b.exchange.rollback()
         return False
@@ -557,6 +575,27 @@ def exchange_buckets(buckets: list, scratch_g: torch.Tensor, scratch_w: torch.Te
         else:
             consume(b, native.decompress(*result, b.exchange.plan, w[:b.numel]))
     return True
+
+
+def _gather_all(buckets: list, served: list) -> list | None:
+    """Round 2 of every bucket: their results in order, or None when some server flagged a
+    non-finite scale. Flat exchanges' flags are read together, one host read per step; a
+    two-level exchange reads its own.
+
+    Raises:
+        StepMismatchError: when some bucket met ranks at different steps (the first such bucket)."""
+    if not all(type(b.exchange) is Exchange for b in buckets):
+        results = [b.exchange.gather(h) for b, h in zip(buckets, served)]
+        return None if any(r is None for r in results) else results
+    gathered = [b.exchange.wait_gathered(h) for b, h in zip(buckets, served)]
+    heads = torch.stack([Exchange.heads(g) for g in gathered]).tolist()   # [B][P][3]: the one host read
+    status = [first_flag(h) for h in heads]
+    for b, (flag, low, high) in zip(buckets, status):
+        if flag == 2:
+            raise step_mismatch(b.exchange.name, low, high)
+    if any(flag for flag, _, _ in status):
+        return None
+    return [b.exchange.result_of(g) for b, g in zip(buckets, gathered)]
 
 
 def pool_error_feedback(worker: torch.Tensor, server: torch.Tensor, contributors: int, transport: Transport,

@@ -331,6 +331,13 @@ class Engine:
         and with ``auto_exp_avg_mask`` also :meth:`DerivedFromExpAvgSq.mask`."""
         return self.derived.mask(b) if self.auto_exp_avg_mask else b.mask
 
+    def refresh_masks(self) -> None:
+        """With ``auto_exp_avg_mask``, derive every bucket's mask that a change of v made stale
+        in one host read (:meth:`DerivedFromExpAvgSq.refresh_masks`), before a step's first
+        :meth:`mask_of`; otherwise nothing."""
+        if self.auto_exp_avg_mask:
+            self.derived.refresh_masks(self.buckets)
+
     def denom(self, b: Bucket, h: step_math.Hyper) -> torch.Tensor:
         """s = sqrt(v̂) + eps of bucket ``b``, float32[n], for reading only
         (:meth:`DerivedFromExpAvgSq.denom`)."""
@@ -372,13 +379,23 @@ class DerivedFromExpAvgSq:
         A coordinate whose v is 0 had an averaged gradient of exactly 0 on all ranks in every
         VARIANCE step so far. It cannot take an Adam step with the (frozen) v: the step would be
         m/eps, and sign compression hands it ±scale noise."""
-        key = (b.exp_avg_sq._version, b.exp_avg_sq.data_ptr(), id(b.mask))
-        cached = self._masks.get(id(b))
-        if cached is None or cached[0] != key:
-            seen = b.exp_avg_sq != 0
-            mask = seen if b.mask is None else seen & b.mask.bool()
-            cached = self._masks[id(b)] = (key, None if bool(mask.all()) else mask)
-        return cached[1]
+        self.refresh_masks([b])
+        return self._masks[id(b)][1]
+
+    def refresh_masks(self, buckets: list[Bucket]) -> None:
+        """Derive :meth:`mask` again for each bucket of ``buckets`` whose v (or user mask) changed
+        since, reading whether each is all True from the device in one host read for them all."""
+        stale = []
+        for b in buckets:
+            key = (b.exp_avg_sq._version, b.exp_avg_sq.data_ptr(), id(b.mask))
+            cached = self._masks.get(id(b))
+            if cached is None or cached[0] != key:
+                seen = b.exp_avg_sq != 0
+                stale.append((b, key, seen if b.mask is None else seen & b.mask.bool()))
+        if stale:
+            full = torch.stack([mask.all() for _, _, mask in stale]).tolist()
+            for (b, key, mask), everywhere in zip(stale, full):
+                self._masks[id(b)] = (key, None if everywhere else mask)
 
     def denom(self, b: Bucket, h: step_math.Hyper) -> torch.Tensor:
         """s = sqrt(v̂) + eps of bucket ``b`` (:func:`~hvd_zoadam.core.step_math.adam_denom`),

@@ -205,6 +205,7 @@ class StepDriver:
         Returns False when the step is skipped on every rank."""
         cached = window.pre if window is not None else {}
         engine, algorithm = self._engine, self.algorithm
+        engine.refresh_masks()   # the masks' one host read, before any bucket's result is consumed
         pre = {id(b): cached[bi] if bi in cached else algorithm.compressed_pre(engine, b, step, self._counters)
                for bi, b in enumerate(self._buckets)}
         started = {id(self._buckets[bi]): h for bi, h in window.scales.items()} if window is not None else {}
