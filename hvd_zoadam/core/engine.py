@@ -331,13 +331,6 @@ class Engine:
         and with ``auto_exp_avg_mask`` also :meth:`DerivedFromExpAvgSq.mask`."""
         return self.derived.mask(b) if self.auto_exp_avg_mask else b.mask
 
-    def refresh_masks(self) -> None:
-        """With ``auto_exp_avg_mask``, derive every bucket's mask that a change of v made stale
-        in one host read (:meth:`DerivedFromExpAvgSq.refresh_masks`), before a step's first
-        :meth:`mask_of`; otherwise nothing."""
-        if self.auto_exp_avg_mask:
-            self.derived.refresh_masks(self.buckets)
-
     def denom(self, b: Bucket, h: step_math.Hyper) -> torch.Tensor:
         """s = sqrt(v̂) + eps of bucket ``b``, float32[n], for reading only
         (:meth:`DerivedFromExpAvgSq.denom`)."""
@@ -354,6 +347,14 @@ class Engine:
             + sum(b.exchange.memory_bytes()["scratch"] for b in self.buckets) \
             + self.derived.denom_bytes()
         return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+
+
+def refresh_masks(engine: Engine) -> None:
+    """With ``engine.auto_exp_avg_mask``, derive every bucket's mask that a change of v made stale
+    in one host read (:meth:`DerivedFromExpAvgSq.refresh_masks`), before a step's first
+    :meth:`Engine.mask_of`; otherwise nothing."""
+    if engine.auto_exp_avg_mask:
+        engine.derived.refresh_masks(engine.buckets)
 
 
 class DerivedFromExpAvgSq:

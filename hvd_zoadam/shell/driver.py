@@ -22,7 +22,7 @@ from hvd_zoadam import native
 from hvd_zoadam.comm.protocol import Average, CollectiveNames, exchange_buckets
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.core.algorithms import Algorithm, StepContext
-from hvd_zoadam.core.engine import Engine, hold_frozen, restore_frozen
+from hvd_zoadam.core.engine import Engine, hold_frozen, refresh_masks, restore_frozen
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
@@ -205,7 +205,7 @@ class StepDriver:
         Returns False when the step is skipped on every rank."""
         cached = window.pre if window is not None else {}
         engine, algorithm = self._engine, self.algorithm
-        engine.refresh_masks()   # the masks' one host read, before any bucket's result is consumed
+        refresh_masks(engine)   # the masks' one host read, before any bucket's result is consumed
         pre = {id(b): cached[bi] if bi in cached else algorithm.compressed_pre(engine, b, step, self._counters)
                for bi, b in enumerate(self._buckets)}
         started = {id(self._buckets[bi]): h for bi, h in window.scales.items()} if window is not None else {}

@@ -282,7 +282,6 @@ def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
 
 def compressed_step(ctx: StepContext, k: int) -> None:
     """COMPRESSED on every bucket, from ĝ in p.grad (the local g at P = 1)."""
-    ctx.engine.refresh_masks()
     for b, h, g, x in _with_gradients(ctx, k):
         denom = ctx.engine.denom(b, h)
         step_math.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
