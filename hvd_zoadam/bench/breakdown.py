@@ -3,7 +3,7 @@
 Nothing in hvd_zoadam carries a timer: :meth:`Breakdown.install` wraps, from the outside and
 for this process only, the Numba kernels (``hvd_zoadam.native``'s public functions), the
 1-bit protocol's phases (:class:`~hvd_zoadam.comm.protocol.Exchange` ``start``, ``serve``,
-``gather_status``, ``commit``, ``rollback``), the start of one bucket's exchange ahead of
+``gather_status``, ``wait_gathered``, ``result_of``, ``commit``, ``rollback``), the start of one bucket's exchange ahead of
 ``step()`` (:meth:`~hvd_zoadam.shell.driver.StepDriver._launch`) and the transport's
 ``start``/``wait``. Without
 ``install`` nothing is wrapped: a run that does not ask for a breakdown pays only the four
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from hvd_zoadam.comm.transport import Transport
 
 LABELS = ("forward_backward", "early_start", "optimizer", "kernels", "packing", "wire", "waiting_for_slowest", "other")
-_EXCHANGE_PHASES = ("start", "serve", "gather_status", "commit", "rollback")
+_EXCHANGE_PHASES = ("start", "serve", "gather_status", "wait_gathered", "result_of", "commit", "rollback")
 
 
 class Breakdown:
