@@ -3,11 +3,10 @@
 Nothing in hvd_zoadam carries a timer: :meth:`Breakdown.install` wraps, from the outside and
 for this process only, the Numba kernels (``hvd_zoadam.native``'s public functions), the
 1-bit protocol's phases (:class:`~hvd_zoadam.comm.protocol.Exchange` ``start``, ``serve``,
-``gather_status``, ``wait_gathered``, ``result_of``, ``commit``, ``rollback``), the start of one bucket's exchange ahead of
-``step()`` (:meth:`~hvd_zoadam.shell.driver.StepDriver._launch`) and the transport's
-``start``/``wait``. Without
-``install`` nothing is wrapped: a run that does not ask for a breakdown pays only the four
-clock reads per step of the benchmark's own regions.
+``gather_status``, ``wait_gathered``, ``result_of``, ``commit``, ``rollback``), the start of
+one bucket's exchange ahead of ``step()`` (:meth:`~hvd_zoadam.shell.driver.StepDriver._launch`)
+and the transport's ``start``/``wait``. Without ``install`` nothing is wrapped: a run that does
+not ask for a breakdown pays only the four clock reads per step of the benchmark's own regions.
 
 Time is exclusive: a second belongs to the innermost wrapped call running then, so a kernel
 inside ``Exchange.start`` counts as ``kernels``, not ``packing``. The labels:
