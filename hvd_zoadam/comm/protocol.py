@@ -100,9 +100,10 @@ class NonFiniteError(FloatingPointError):
 
 
 def first_flag(heads: list[list[int]]) -> tuple[int, int, int]:
-    """``(flag, lowest step, highest step)`` of one bucket's round 2 from every server's
-    ``[flag, low, high]`` (``heads``, in rank order): the first server's flagging a step mismatch
-    (2), else the first non-zero flag (1: a non-finite scale), else (0, the first server's steps)."""
+    """``(flag, lowest step, highest step)`` of one bucket's round 2, from every server's
+    ``[flag, low, high]`` (``heads``, in rank order): those of the first server that flagged a
+    step mismatch (2), else of the first that flagged a non-finite scale (1), else the first
+    server's (flag 0)."""
     flags = [h[0] for h in heads]
     q = flags.index(2) if 2 in flags else next((i for i, f in enumerate(flags) if f), 0)
     return heads[q][0], heads[q][1], heads[q][2]
@@ -317,9 +318,9 @@ class Exchange:
         return self.transport.start("alltoall", send.view(-1), f"{self.name}.signs")
 
     def serve(self, signs_handle: object):
-        """Round 1 in: check the steps and this chunk's worker scales, average the P chunks with
-        ``server_error`` and recompress (the new e_s staged until :meth:`commit`), check the new
-        server scales, start round 2."""
+        """Round 1 in: average the P chunks with ``server_error`` and recompress (the new e_s
+        staged until :meth:`commit`), flag on the device whether the ranks announced one step and
+        every worker and server scale is finite (no host read), start round 2."""
         p, s, r = self.transport.world_size, self.max_pieces, self.transport.rank
         recv = self.transport.wait(signs_handle).view(p, self._m1)
         lo, count = self.pieces[0][r], self.pieces[1][r]
@@ -328,10 +329,11 @@ class Exchange:
         head = msg[:12].view(torch.int32)
         torch.stack(torch.aminmax(steps), out=head[1:3])
         scales = recv[:, :4 * s].contiguous().view(torch.float32)[:, :count]
-        # Decided on the device, read by the host once in gather_status: 2 when the ranks announced
-        # different steps, 1 when a worker scale or (finite ones summed past float32's range) a
-        # server scale is not finite, else 0. The chunk is reduced in every case; a flagged
-        # exchange rolls back, dropping the staged server error.
+        # The flag, decided on the device and read by the host with round 2 (gather_status, or
+        # every bucket's at once in exchange_buckets): 2 when the ranks announced different
+        # steps, 1 when a worker scale or (finite ones summed past float32's range) a server
+        # scale is not finite, else 0. The chunk is reduced in every case; a flagged exchange
+        # rolls back, dropping the staged server error.
         self._worker_scales[:, lo:lo + count] = scales
         if self._server_next is None:
             self._server_next = torch.zeros_like(self.server_error)
