@@ -93,7 +93,7 @@ def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, paper_raw):
 
 def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_bits(monkeypatch):
     """On the CPU with float32 parameters, LOCAL steps and SYNC steps' exchange inputs run a
-    one-pass kernel per tensor (no gathered copy of g or x), bitwise the oracle, and a LOCAL
+    one-pass kernel per bucket on the parameters' flat storage, bitwise the oracle, and a LOCAL
     step moves each parameter's version counter as torch's in-place ops would."""
     from hvd_zoadam import native
     if not native.local_step_fused(torch.zeros(1)):
@@ -123,7 +123,7 @@ def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_b
 
 def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits(monkeypatch):
     """On the CPU with float32 parameters a SYNC step's rebuild writes x straight into the
-    parameters (no gathered x, no scatter), bitwise the oracle, and moves each parameter's
+    parameters' flat storage, one array a bucket (no gathered x, no scatter), bitwise the oracle, and moves each parameter's
     version counter as torch's in-place ops would (one tensor a call, as torch before 2.5
     requires)."""
     import threading
@@ -144,7 +144,7 @@ def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits
     want, _ = common.simulate_mlp(2, 26, KNOBS, torch.optim.AdamW, 0.05)
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[r][0], want[r]))
-    assert seen and set(seen) == {"list"}
+    assert seen and set(seen) == {"ndarray"}
 
     scatters, scatter = {}, Engine.scatter
     monkeypatch.setattr(Engine, "scatter", staticmethod(

@@ -40,6 +40,7 @@ class Bucket:
     anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
     master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
     mask: torch.Tensor | None = None    # uint8[n] momentum mask (exp_avg_mask), 0 = never moves
+    flat: torch.Tensor | None = None    # [n] of the params' dtype whose views the params are (flat storage)
     views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
     kinds: list = field(default_factory=list)  # (dtype, device) of each param when laid out
 
@@ -158,6 +159,10 @@ class Engine:
                 self.state[p]["exp_avg_mask" if key == "mask" else key] = v
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
+        if all(p.is_contiguous() for p in params):
+            bucket.flat = torch.cat([p.detach().reshape(-1) for p in params])
+            for p, v in zip(params, bucket.flat.split(numels)):
+                p.data = v.view_as(p)
         self.buckets.append(bucket)
         for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
             if self.scratch.get(key, torch.empty(0)).numel() < size:
@@ -246,8 +251,8 @@ class Engine:
                              "to hvd_zoadam.DistributedOptimizer (0/1 Adam exchanges dense tensors)")
         return g.to_dense()
 
-    def grads_into(self, bucket: Bucket, out: torch.Tensor, raw: bool = True) -> None:
-        """out[:n] <- the bucket's gradients as float32 (None counts as 0).
+    def grads_into(self, bucket: Bucket, out: torch.Tensor, raw: bool = True) -> torch.Tensor:
+        """out[:n] <- the bucket's gradients as float32 (None counts as 0). Returns out[:n].
 
         ``raw``: ``p.grad`` holds this rank's own gradient (not an exchange result), which is
         still multiplied by a ``torch.amp.GradScaler`` loss scale when one drives the step.
@@ -263,6 +268,7 @@ class Engine:
         torch.cat(grads, out=out[:bucket.numel])
         if raw and self.inv_grad_scale is not None:
             out[:bucket.numel].mul_(self.inv_grad_scale)
+        return out[:bucket.numel]
 
     def own_grads(self, bucket: Bucket) -> list | None:
         """The bucket's ``p.grad`` as they are, where a step may read them in place instead of
@@ -277,15 +283,6 @@ class Engine:
             return None
         return grads if native.local_step_fused(*grads, *bucket.params) else None
 
-    def own_params(self, bucket: Bucket) -> list | None:
-        """The bucket's parameters as they are, where a step may write x into them in place
-        instead of into the gathered scratch and a :meth:`scatter`: float32 (no master weights),
-        contiguous, on the CPU. Else None."""
-        if bucket.master is not None:
-            return None
-        ok = all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in bucket.params)
-        return bucket.params if ok else None
-
     @staticmethod
     def scatter(flat: torch.Tensor, targets: list) -> None:
         """Copy consecutive pieces of ``flat`` into ``targets`` (cast to each target's dtype)."""
@@ -299,25 +296,76 @@ class Engine:
                 p.grad = torch.zeros_like(p)
         self.scatter(flat[:bucket.numel], [p.grad for p in bucket.params])
 
+    def storage(self, b: Bucket) -> torch.Tensor | None:
+        """Bucket ``b``'s flat storage, ``b.flat`` ([n], the parameters' dtype), with every
+        parameter a view of it again, or None when the bucket has none (a parameter was not
+        contiguous when it was laid out: its x is gathered and scattered).
+
+        A parameter whose ``.data`` was replaced since (``p.data = t``, a module's
+        ``_apply``) by a tensor of the same shape, dtype and device (anything else is refused by
+        :meth:`check_params_unchanged`) has its values copied into its place in ``b.flat`` and
+        becomes its view again. Costs a data pointer per parameter; no host synchronisation."""
+        flat = b.flat
+        if flat is None:
+            return None
+        base, size, offset = flat.data_ptr(), flat.element_size(), 0
+        for p in b.params:
+            if p.data_ptr() != base + offset * size:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+            offset += p.numel()
+        return flat
+
     def load_x(self, b: Bucket) -> torch.Tensor:
-        """x as float32[n]: the fp32 params gathered, or the master weights of fp16/bf16 params.
+        """x as float32[n]: the flat storage of float32 params (:meth:`storage`; the parameters
+        themselves, not a copy), the master weights of fp16/bf16 params, or else the params
+        gathered into the scratch.
 
         Master weights are re-read from the params when someone else changed them since our
         last write (a model load or a broadcast), detected by comparing the rounded values.
         """
+        flat = self.storage(b)
         if b.master is None:
+            if flat is not None:
+                return flat
             x = self.scratch["x"][:b.numel]
             torch.cat([p.detach().reshape(-1).float() for p in b.params], out=x)
             return x
+        if flat is not None and torch.equal(b.master.to(flat.dtype), flat):
+            return b.master
         views = b.master.split([p.numel() for p in b.params])
         for p, v in zip(b.params, views):
             if not torch.equal(v.to(p.dtype), p.detach().reshape(-1)):
                 v.copy_(p.detach().reshape(-1))
         return b.master
 
+    def store_x(self, b: Bucket, x: torch.Tensor) -> None:
+        """The parameters of bucket ``b`` <- ``x`` (float32[n], cast to their dtype), after a step
+        wrote x: nothing to copy when ``x`` is their flat storage itself (:meth:`load_x`), one
+        copy into it otherwise. Moves each parameter's autograd version counter, as an in-place
+        op on it would."""
+        flat = b.flat
+        if flat is None:
+            self.scatter(x, b.params)
+            return
+        if not (x.data_ptr() == flat.data_ptr() and x.dtype == flat.dtype):
+            flat.copy_(x)
+        bump_versions(b.params)
+
     def x_buffer(self, b: Bucket) -> torch.Tensor:
         """Where :meth:`load_x` puts bucket ``b``'s x (without gathering it again)."""
-        return b.master if b.master is not None else self.scratch["x"][:b.numel]
+        if b.master is not None:
+            return b.master
+        return b.flat if b.flat is not None else self.scratch["x"][:b.numel]
+
+    def x_copy(self, b: Bucket) -> torch.Tensor:
+        """A copy of bucket ``b``'s x, float32[n], that a step may change without changing the
+        parameters (the scratch, or a clone of the master weights)."""
+        x = self.load_x(b)
+        if b.master is not None:
+            return x.clone()
+        return x if b.flat is None else self.scratch["x"][:b.numel].copy_(x)
 
     def scratch_d(self, numel: int) -> torch.Tensor:
         """A reusable float32 buffer for a denominator used at once (not kept across buckets)."""
@@ -347,6 +395,14 @@ class Engine:
             + sum(b.exchange.memory_bytes()["scratch"] for b in self.buckets) \
             + self.derived.denom_bytes()
         return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+
+
+def bump_versions(params) -> None:
+    """Move each parameter's autograd version counter, as torch's in-place ops would after a
+    kernel, or an op on their flat storage, wrote into it (a view made by ``p.data = view``
+    keeps a counter of its own; one tensor a call: torch before 2.5 takes no list)."""
+    for p in params:
+        torch.autograd.graph.increment_version(p)
 
 
 def refresh_masks(engine: Engine) -> None:

@@ -115,12 +115,12 @@ class StateDictMixin:
         try:
             for index, b in enumerate(self._buckets):
                 x = average_(self._engine.load_x(b).clone(), f"{self._collectives.pool(index)}.window.x")
-                self._engine.scatter(x, b.params)
+                self._engine.store_x(b, x)
                 b.exp_avg.copy_(average_(b.exp_avg.clone(), f"{self._collectives.pool(index)}.window.m"))
             return copy.deepcopy(model.state_dict()), copy.deepcopy(self.state_dict())
         finally:
             for b, (x, m) in zip(self._buckets, kept):
-                self._engine.scatter(x, b.params)
+                self._engine.store_x(b, x)
                 b.exp_avg.copy_(m)
 
     def load_error_feedback(self, state: dict | None, worker_error: dict | None = None) -> bool:

@@ -114,5 +114,5 @@ class _MomentumStep:
             b.exchange.mask_errors(mask)
         x = engine.load_x(b)
         step_math.frozen_adam_step(x, b.exp_avg, engine.denom(b, h), h)
-        engine.scatter(x, b.params)
+        engine.store_x(b, x)
 

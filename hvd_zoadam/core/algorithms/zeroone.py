@@ -151,64 +151,35 @@ class ZeroOneAdam:
         for group in engine.param_groups:
             group["lr_sum"], group["decay_product"] = 0.0, 1.0
 
-    def local_update(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
-                     x: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None):
-        """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
-        is not finite, algorithm.md §5). Returns x, float32[n], not yet scattered.
-
-        ``x``, ``exp_avg``: where to take the step (float32[n] each), by default the bucket's own
-        x (:meth:`Engine.load_x`) and m; :meth:`sync_input` passes copies."""
-        g = engine.scratch["g"]
-        engine.grads_into(b, g)
-        x = engine.load_x(b) if x is None else x
-        exp_avg = b.exp_avg if exp_avg is None else exp_avg
-        if native.all_finite(g[:b.numel]):
-            if self.precondition_compression:
-                # v is frozen: bound |g|/s as Adam would once v had seen g (see compressed_pre)
-                native.clamp_by(g[:b.numel], denom,
-                                step_math.normalized_gradient_bound(h, engine.transport.world_size))
-            step_math.momentum_step(x, g[:b.numel], exp_avg, denom, h, engine.mask_of(b))
-        return x
-
-    def local_update_in_place(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
-                              window: tuple[torch.Tensor, float] | None = None) -> bool:
-        """:meth:`local_update` on bucket ``b`` tensor by tensor, each ``p.grad`` read where it
-        is and x written into ``p`` itself: one pass per tensor (:func:`native.local_step`), no
-        gather and no scatter, bitwise the same x and m. With ``window`` = (out float32[n],
-        decay product), x and m are left as they are and ``out`` receives the window's update
-        after the step instead, u = x_a·(decay product) − x' (SYNC steps 1–3, preconditioned;
-        :func:`native.local_window_update`). Returns False where :meth:`local_update` must take
-        the bucket: no :meth:`Engine.own_grads`, settings the kernels leave to torch
-        (:func:`native.local_step_fuses`), or a gradient that is not finite (nothing changed
-        then but ``out``)."""
+    def local_scalars(self, engine: Engine, h: step_math.Hyper) -> dict:
+        """The keyword scalars of :func:`native.local_step` for a step after the freeze: those of
+        ``h``, and with ``precondition_compression`` the bound on |g|/s (v is frozen: bound it
+        as Adam would once v had seen g, see :meth:`compressed_pre`)."""
         bound = (step_math.normalized_gradient_bound(h, engine.transport.world_size)
                  if self.precondition_compression else None)
-        scalars = {**step_math.local_step_scalars(h), "bound_factor": bound}
-        grads = engine.own_grads(b) if native.local_step_fuses(**scalars) else None
-        if grads is None or (window is None and not native.all_finite_many(grads)):
-            return False
-        mask, numels = engine.mask_of(b), [p.numel() for p in b.params]
-        out = window[0] if window else None
-        pieces = [t.split(numels) if t is not None else [None] * len(numels)
-                  for t in (b.exp_avg, denom, mask, b.anchor, out)]
-        finite = True
-        for p, g, m, s, mk, a, o in zip(b.params, grads, *pieces):
-            g, x = g.reshape(-1), p.detach().reshape(-1)   # views: both are contiguous
-            if window is None:
-                native.local_step(g, x, m, s, mask=mk, **scalars)
-            else:
-                finite &= native.local_window_update(g, x, m, s, a, o, decay_product=window[1], mask=mk, **scalars)
-        if window is None:
-            _bump_versions(b.params)
-        return finite
+        return {**step_math.local_step_scalars(h), "bound_factor": bound}
+
+    def local_update(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
+                     x: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None) -> torch.Tensor:
+        """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
+        is not finite, algorithm.md §5), in one pass over the bucket on the CPU
+        (:func:`native.local_step`). Returns x, float32[n], for :meth:`Engine.store_x`.
+
+        ``x``, ``exp_avg``: where to take the step (float32[n] each), by default the bucket's own
+        x (:meth:`Engine.load_x`: the parameters' flat storage itself) and m; :meth:`sync_input`
+        passes copies."""
+        g = engine.grads_into(b, engine.scratch["g"])
+        x = engine.load_x(b) if x is None else x
+        exp_avg = b.exp_avg if exp_avg is None else exp_avg
+        if native.all_finite(g):
+            native.local_step(g, x, exp_avg, denom, mask=engine.mask_of(b), **self.local_scalars(engine, h))
+        return x
 
     def local_step(self, ctx: StepContext, k: int) -> None:
         engine = ctx.engine
         for b in engine.buckets:
             h = engine.hyper(b, ctx.step, k)
-            denom = engine.denom(b, h)
-            if not self.local_update_in_place(engine, b, h, denom):
-                engine.scatter(self.local_update(engine, b, h, denom), b.params)
+            engine.store_x(b, self.local_update(engine, b, h, engine.denom(b, h)))
         advance_window(engine.param_groups)
 
     def sync_step(self, ctx: StepContext, k: int) -> None:
@@ -230,12 +201,14 @@ class ZeroOneAdam:
         h = engine.hyper(b, step, counters["exp_avg_sq_steps"])
         denom = engine.denom(b, h)
         buf[b.numel:].zero_()
-        if self.precondition_compression and self.local_update_in_place(engine, b, h, denom,
-                                                                        window=(buf[:b.numel], decay_product)):
+        if self.precondition_compression:  # the common case in one pass that writes only buf
+            g, x = engine.grads_into(b, engine.scratch["g"]), engine.load_x(b)
+            if not native.local_window_update(g, x, b.exp_avg, denom, b.anchor, buf[:b.numel],
+                                              decay_product=decay_product, mask=engine.mask_of(b),
+                                              **self.local_scalars(engine, h)):
+                fill_sync(b, x, denom, decay_product, buf, True)  # g not finite: this rank's step skips
             return True
-        x = engine.load_x(b)
-        x = x.clone() if b.master is not None else x  # master weights are state: step on a copy
-        x = self.local_update(engine, b, h, denom, x, b.exp_avg.clone())
+        x = self.local_update(engine, b, h, denom, engine.x_copy(b), b.exp_avg.clone())
         fill_sync(b, x, denom, decay_product, buf, self.precondition_compression)
         return True
 
@@ -250,7 +223,7 @@ class ZeroOneAdam:
         x = engine.load_x(b)
         x.sub_(owed)
         b.anchor.sub_(owed)
-        engine.scatter(x, b.params)
+        engine.store_x(b, x)
 
     @staticmethod
     def window_open(engine: Engine) -> bool:
@@ -268,7 +241,7 @@ def _with_gradients(ctx: StepContext, k: int, var_update_steps: int = 1):
         engine.grads_into(b, g, raw=not ctx.exchanged)
         x = engine.load_x(b)
         yield b, h, g[:b.numel], x
-        engine.scatter(x, b.params)
+        engine.store_x(b, x)
 
 
 def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
@@ -282,9 +255,9 @@ def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
 
 def compressed_step(ctx: StepContext, k: int) -> None:
     """COMPRESSED on every bucket, from ĝ in p.grad (the local g at P = 1)."""
-    for b, h, g, x in _with_gradients(ctx, k):
-        denom = ctx.engine.denom(b, h)
-        step_math.momentum_step(x, g, b.exp_avg, denom, h, ctx.engine.mask_of(b))
+    for b, h, g, x in _with_gradients(ctx, k):  # step_math.momentum_step, in one pass on the CPU
+        native.local_step(g, x, b.exp_avg, ctx.engine.denom(b, h), mask=ctx.engine.mask_of(b),
+                          **step_math.local_step_scalars(h))
 
 
 def window_after(group: dict) -> tuple[float, float]:
@@ -314,13 +287,6 @@ def fill_sync(b: Bucket, x: torch.Tensor, denom: torch.Tensor, decay_product: fl
         step_math.sync_prepare(x, b.anchor, denom, decay_product, buf[:b.numel], False)
 
 
-def _bump_versions(params) -> None:
-    """Move each parameter's autograd version counter, as torch's in-place ops would after a
-    kernel wrote into it (one tensor a call: torch before 2.5 takes no list)."""
-    for p in params:
-        torch.autograd.graph.increment_version(p)
-
-
 class _SyncStep:
     """One SYNC step (algorithm.md §2): the local update of every bucket, then the 1-bit
     exchange of each live bucket's window update and the rebuild of x, m and the anchor.
@@ -329,9 +295,9 @@ class _SyncStep:
     denominator (:meth:`~hvd_zoadam.core.engine.Engine.denom`; on the CPU the engine keeps every bucket's);
     ``denom_for`` and ``x_for`` say whose. A denominator the scratch no longer holds is
     recomputed where it is used (bitwise the same each time: v is frozen). With one bucket
-    a local update on the scratch leaves its x there until the rebuild, so that x is
-    written to the parameters only if the bucket is not rebuilt (the update in place,
-    :meth:`ZeroOneAdam.local_update_in_place`, has written them already).
+    a local update leaves its x where :meth:`~hvd_zoadam.core.engine.Engine.load_x` put it
+    until the rebuild, so that x is stored into the parameters only if the bucket is not
+    rebuilt (where the parameters have flat storage, x is that storage: nothing to copy).
 
     A bucket whose exchange the backward hooks started (``ctx.started_early``) has its local
     update taken only if the exchange is skipped: otherwise the rebuild, which reads neither x
@@ -367,19 +333,16 @@ class _SyncStep:
             if id(b) in ctx.started_early:
                 self.local_update(b, scatter=True)
             elif defer:
-                engine.scatter(self.x(b), b.params)
+                engine.store_x(b, self.x(b))
 
     def local_update(self, b: Bucket, scatter: bool) -> None:
-        """SYNC step 1 on bucket ``b``: in the parameters themselves where
-        :meth:`ZeroOneAdam.local_update_in_place` takes it, else :meth:`ZeroOneAdam.local_update`,
-        whose x stays in the scratch."""
+        """SYNC step 1 on bucket ``b`` (:meth:`ZeroOneAdam.local_update`): x into the parameters
+        when ``scatter`` (nothing to copy where they are its flat storage), else left where
+        :meth:`~hvd_zoadam.core.engine.Engine.load_x` put it."""
         h = self.engine.hyper(b, self.ctx.step, self.k)
-        if self.algorithm.local_update_in_place(self.engine, b, h, self.denom(b)):
-            self.x_for = None  # the scratch no longer holds b's x, if it did
-            return
         x = self.algorithm.local_update(self.engine, b, h, self.denom(b))
         if scatter:
-            self.engine.scatter(x, b.params)
+            self.engine.store_x(b, x)
         self.x_for = b
 
     def denom(self, b: Bucket):
@@ -421,26 +384,20 @@ class _SyncStep:
 
     def consume_packed(self, b: Bucket, packed: torch.Tensor, server_scales: torch.Tensor) -> None:
         """The same as :meth:`consume`, fused: w is unpacked straight into m, the anchor and x,
-        which is the parameters themselves where :meth:`Engine.own_params` gives them (no
-        gathered x, no scatter), else the scratch."""
+        which is the parameters' flat storage itself where they have one (no copy), else the
+        master weights or the scratch."""
         group = self.engine.param_groups[b.group_index]
-        params = self.engine.own_params(b)
-        x = self.engine.x_buffer(b) if params is None else None
-        self.x_for = None  # the scratch does not hold the new x, or is overwritten with it below
+        x = self.engine.x_buffer(b)
+        self.x_for = None  # overwritten with the new x below
         mask = self.engine.mask_of(b)
-        native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor,
-                               param=params if x is None else x, exp_avg=b.exp_avg, denom=self.denom(b),
-                               factor=self._factor(b), decay_product=group["decay_product"], mask=mask,
-                               preconditioned=self.preconditioned)
-        if x is None:
-            _bump_versions(params)
+        native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x, exp_avg=b.exp_avg,
+                               denom=self.denom(b), factor=self._factor(b), decay_product=group["decay_product"],
+                               mask=mask, preconditioned=self.preconditioned)
         self._finish(b, x, mask)
 
     def _finish(self, b, x, mask) -> None:
-        """After the rebuild: the mask on the error buffers, and x (unless None: the
-        parameters hold it already) scattered into the parameters."""
+        """After the rebuild: the mask on the error buffers, and x into the parameters."""
         if mask is not None:
             b.exchange.mask_errors(mask)
-        if x is not None:
-            self.engine.scatter(x, b.params)
+        self.engine.store_x(b, x)
         self.rebuilt.add(id(b))
