@@ -123,9 +123,9 @@ def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_b
 
 def test_a_sync_step_rebuilds_x_in_the_parameters_and_keeps_the_simulations_bits(monkeypatch):
     """On the CPU with float32 parameters a SYNC step's rebuild writes x straight into the
-    parameters' flat storage, one array a bucket (no gathered x, no scatter), bitwise the oracle, and moves each parameter's
-    version counter as torch's in-place ops would (one tensor a call, as torch before 2.5
-    requires)."""
+    parameters' flat storage, one array a bucket (no gathered x, no scatter), bitwise the
+    oracle, and moves each parameter's version counter as torch's in-place ops would (one
+    tensor a call, as torch before 2.5 requires)."""
     import threading
 
     from hvd_zoadam import native
