@@ -21,6 +21,7 @@ argument           dtype, shape            meaning
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Iterable
 
@@ -30,7 +31,8 @@ import torch
 from . import cpu, reference
 
 __all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite",
-           "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_window_update", "local_step_fused",
+           "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_step_if_finite",
+           "local_window_update", "local_step_fused",
            "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress",
            "server_reduce", "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
@@ -113,6 +115,24 @@ class Plan:
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _np(t: torch.Tensor) -> np.ndarray:
+    """``t.numpy()`` of a CPU tensor that needs no gradient, prepared once per tensor object:
+    the buckets' buffers and scratch live for the whole run, and torch's conversion dispatches
+    an op at each call. The array kept on the tensor (for contiguous ones) is a view of its
+    memory that holds no reference back to it (no cycle to keep a temporary alive), so it lives
+    and dies with the tensor; it is made again when the tensor's memory or shape changed."""
+    cached = t.__dict__.get("_hvd_zoadam_numpy")
+    if cached is not None and cached[0] == t.data_ptr() and cached[1].shape == t.shape:
+        return cached[1]
+    a = t.numpy()
+    if not (t.is_contiguous() and a.size):
+        return a
+    memory = (ctypes.c_byte * a.nbytes).from_address(t.data_ptr())
+    view = np.frombuffer(memory, dtype=a.dtype).reshape(a.shape)
+    t.__dict__["_hvd_zoadam_numpy"] = (t.data_ptr(), view)
+    return view
+
+
 def _host_input(y: torch.Tensor) -> np.ndarray:
     """numpy view of ``y`` for the CPU kernels: float32, or the bits of fp16/bf16 (cpu.load)."""
     if y.dtype == torch.float32:
@@ -170,8 +190,8 @@ def worker_scales(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, out: 
     if _on_cuda(y, worker_error, out):
         from . import cuda as _cuda
         return _cuda.worker_scales(y, worker_error, plan, out)
-    cpu.sumsq_tasks(_host_input(y), worker_error.numpy(), plan.worker_tasks, plan.worker_partial)
-    cpu.reduce_scales(plan.worker_tasks, plan.worker_partial, plan.offsets, 0, plan.numel, out.numpy())
+    cpu.sumsq_tasks(_host_input(y), _np(worker_error), plan.worker_tasks, plan.worker_partial)
+    cpu.reduce_scales(plan.worker_tasks, plan.worker_partial, plan.offsets, 0, plan.numel, _np(out))
     return out
 
 
@@ -184,8 +204,8 @@ def worker_pack(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, scales:
     if _on_cuda(y, worker_error, eo, scales, packed):
         from . import cuda as _cuda
         return _cuda.pack_update(y, worker_error, 0, plan, scales, packed, e_out=eo)
-    cpu.pack_update(_host_input(y), True, worker_error.numpy(), eo.numpy(), 0, plan.offsets, scales.numpy(),
-                    packed.numpy())
+    cpu.pack_update(_host_input(y), True, _np(worker_error), _np(eo), 0, plan.offsets, _np(scales),
+                    _np(packed))
     return packed
 
 
@@ -207,8 +227,8 @@ def worker_compress(y: torch.Tensor, worker_error: torch.Tensor, plan: Plan, sca
         from . import cuda as _cuda
         return _cuda.compress_fused(y, worker_error, plan, scales, packed, e_out=eo)
     if plan.groups is not None and not _on_cuda(y, worker_error, eo, scales, packed):
-        cpu.compress_fused(_host_input(y), worker_error.numpy(), eo.numpy(), plan.offsets, plan.groups,
-                           scales.numpy(), packed.numpy(), plan.part_idx, plan.part_val)
+        cpu.compress_fused(_host_input(y), _np(worker_error), _np(eo), plan.offsets, plan.groups,
+                           _np(scales), _np(packed), plan.part_idx, plan.part_val)
         return packed
     worker_scales(y, worker_error, plan, scales)
     return worker_pack(y, worker_error, plan, scales, packed, error_out=eo)
@@ -233,12 +253,12 @@ def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_er
     if eo is not server_error:  # the chunk's padding is not written: keep it as server_error's
         real = max(0, min(plan.chunk_numel, plan.numel - plan.chunk_start))
         eo[real:].copy_(server_error[real:])
-    pk, e = packed.numpy(), eo.numpy()
-    cpu.server_average(recv.numpy(), all_worker_scales.numpy(), server_error.numpy(), e, plan.server_tasks,
+    pk, e = _np(packed), _np(eo)
+    cpu.server_average(_np(recv), _np(all_worker_scales), _np(server_error), e, plan.server_tasks,
                        plan.chunk_start, plan.server_partial)
     cpu.reduce_scales(plan.server_tasks, plan.server_partial, plan.offsets, plan.chunk_start,
-                      plan.chunk_start + plan.chunk_numel, scales.numpy())
-    cpu.pack_update(e, False, e, e, plan.chunk_start, plan.offsets, scales.numpy(), pk)
+                      plan.chunk_start + plan.chunk_numel, _np(scales))
+    cpu.pack_update(e, False, e, e, plan.chunk_start, plan.offsets, _np(scales), pk)
     return packed, scales
 
 
@@ -252,7 +272,7 @@ def decompress(packed: torch.Tensor, all_server_scales: torch.Tensor, plan: Plan
         from . import cuda as _cuda
         return _cuda.decompress(packed, all_server_scales, plan, out)
     if plan.numel:
-        cpu.decompress(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel, out.numpy())
+        cpu.decompress(_np(packed), _np(all_server_scales), plan.unpack_tasks, plan.chunk_numel, _np(out))
     return out
 
 
@@ -267,8 +287,8 @@ def decompress_momentum(packed: torch.Tensor, all_server_scales: torch.Tensor, p
         from . import cuda as _cuda
         return _cuda.decompress_momentum(packed, all_server_scales, plan, exp_avg, beta1)
     if plan.numel:
-        cpu.decompress_momentum(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
-                                exp_avg.numpy(), 1.0 - beta1)
+        cpu.decompress_momentum(_np(packed), _np(all_server_scales), plan.unpack_tasks, plan.chunk_numel,
+                                _np(exp_avg), 1.0 - beta1)
     return exp_avg
 
 
@@ -307,7 +327,7 @@ def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
     ``torch.minimum(g, b)`` then ``torch.maximum(g, -b)`` for finite g, in one pass on the CPU.
     ``g``, ``denom``: float32[n]. Returns ``g``."""
     if _cpu_kernels(g, denom):
-        cpu.clamp_by(g.numpy(), denom.numpy(), float(c))
+        cpu.clamp_by(_np(g), _np(denom), float(c))
         return g
     bound = torch.mul(denom, c)
     torch.minimum(g, bound, out=g)
@@ -370,7 +390,10 @@ def _scalars(*, weight: float, step_size: float, decay: float = 1.0, l2: float =
 
 
 def _flat(*tensors) -> list:
-    return [t.detach().reshape(-1).numpy() for t in tensors]
+    """The tensors as 1-D numpy arrays over their memory (no torch op for a 1-D tensor that
+    needs no gradient: the buckets' flat buffers)."""
+    return [_np(t) if t.dim() == 1 and not t.requires_grad else t.detach().reshape(-1).numpy()
+            for t in tensors]
 
 
 def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, *,
@@ -383,6 +406,21 @@ def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, d
         return
     cpu.local_step(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],
                    *_scalars(**step))
+
+
+def local_step_if_finite(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, *,
+                         mask: torch.Tensor | None = None, **step: float | None) -> bool:
+    """:func:`local_step` where every element of ``grad`` is finite (:func:`all_finite`), else
+    nothing. Returns whether it took the step. On the CPU one call of the kernels for the check
+    and the step (:func:`cpu.local_step_if_finite`); elsewhere the check, then the step."""
+    if not _fusable((grad, param, exp_avg, denom), mask, step):
+        if not all_finite(grad):
+            return False
+        reference.local_step(grad, param, exp_avg, denom, mask=mask, **step)
+        return True
+    bad = cpu.local_step_if_finite(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],
+                                   *_scalars(**step))
+    return bad == 0
 
 
 def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
@@ -409,7 +447,7 @@ def sync_rebuild(w: torch.Tensor, anchor: torch.Tensor, param: torch.Tensor, exp
     instead of five. All float32[n]."""
     tensors = (w, anchor, param, exp_avg, denom)
     if _cpu_kernels(*tensors):
-        cpu.sync_rebuild(*(t.numpy() for t in tensors), np.float32(factor), np.float32(decay_product))
+        cpu.sync_rebuild(*(_np(t) for t in tensors), np.float32(factor), np.float32(decay_product))
         return
     reference.sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product)
 
@@ -419,7 +457,7 @@ def sync_prepare(param: torch.Tensor, anchor: torch.Tensor, decay_product: float
     (the anchor itself unchanged), bitwise :func:`hvd_zoadam.core.step_math.sync_prepare` with
     ``preconditioned=True``; one pass on the CPU instead of two. All float32[n]. Returns ``out``."""
     if _cpu_kernels(param, anchor, out):
-        cpu.sync_prepare(param.numpy(), anchor.numpy(), np.float32(decay_product), out.numpy())
+        cpu.sync_prepare(_np(param), _np(anchor), np.float32(decay_product), _np(out))
         return out
     if decay_product != 1.0:
         return torch.mul(anchor, decay_product, out=out).sub_(param)
@@ -459,9 +497,9 @@ def decompress_sync(packed: torch.Tensor, all_server_scales: torch.Tensor, plan:
         return _cuda.decompress_sync(packed, all_server_scales, plan, anchor, param, exp_avg, denom, factor,
                                      decay_product, mask, preconditioned)
     if plan.numel:
-        cpu.decompress_sync(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
-                            anchor.numpy(), param.numpy(), exp_avg.numpy(), denom.numpy(),
-                            _NO_MASK if mask is None else mask.numpy(), float(decay_product), float(factor),
+        cpu.decompress_sync(_np(packed), _np(all_server_scales), plan.unpack_tasks, plan.chunk_numel,
+                            _np(anchor), _np(param), _np(exp_avg), _np(denom),
+                            _NO_MASK if mask is None else _np(mask), float(decay_product), float(factor),
                             bool(preconditioned))
 
 
@@ -483,11 +521,11 @@ def _decompress_sync_into(packed, all_server_scales, plan: Plan, params, **kw) -
         return
     if plan.numel:
         mask = kw["mask"]
-        cpu.decompress_sync(packed.numpy(), all_server_scales.numpy(), plan.unpack_tasks, plan.chunk_numel,
-                            kw["anchor"].numpy(),
+        cpu.decompress_sync(_np(packed), _np(all_server_scales), plan.unpack_tasks, plan.chunk_numel,
+                            _np(kw["anchor"]),
                             [(p.detach().view(-1).numpy(), int(o)) for p, o in zip(params, starts)],
-                            kw["exp_avg"].numpy(), kw["denom"].numpy(),
-                            _NO_MASK if mask is None else mask.numpy(), float(kw["decay_product"]),
+                            _np(kw["exp_avg"]), _np(kw["denom"]),
+                            _NO_MASK if mask is None else _np(mask), float(kw["decay_product"]),
                             float(kw["factor"]), bool(kw["preconditioned"]))
 
 
@@ -549,6 +587,7 @@ def _warm_calls(device: torch.device) -> None:
                             decay_product=0.5, mask=mask, preconditioned=preconditioned)
     for mask in masks:  # LOCAL and SYNC steps' local update
         local_step(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
+        local_step_if_finite(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
         local_window_update(v[0], v[1], v[2], v[3], v[4], ones(n), mask=mask, weight=0.1, step_size=-0.1)
     all_finite(v[0])
     clamp_by(v[0], v[1], 1.0)

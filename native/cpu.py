@@ -634,6 +634,17 @@ def local_step(g, x, m, s, mask, c, decay, l2, w, step_size):
                 x[i], m[i] = _local_one(g[i], x[i], m[i], s[i], one, c, decay, l2, coeff, small, has_l2, step_size)
 
 
+@njit(cache=True)
+def local_step_if_finite(g, x, m, s, mask, c, decay, l2, w, step_size):
+    """:func:`local_step` where every element of g is finite, else nothing (the rank's own skip
+    of algorithm.md §5): both passes, the read-only check and the step, in one call. Returns how
+    many elements of g are not finite. Arguments as :func:`local_step`'s."""
+    bad = count_non_finite(g)
+    if bad == 0:
+        local_step(g, x, m, s, mask, c, decay, l2, w, step_size)
+    return bad
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def local_window_update(g, x, m, s, mask, a, out, c, decay, l2, w, step_size, dp):
     """SYNC steps 1–3 on one tensor in one pass, x and m left as they are: out = a·dp − x'

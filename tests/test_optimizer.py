@@ -92,21 +92,23 @@ def test_many_buckets_at_p1_equal_the_simulation_bitwise(cls, wd, paper_raw):
 
 
 def test_local_updates_take_each_gradient_where_it_is_and_keep_the_simulations_bits(monkeypatch):
-    """On the CPU with float32 parameters, LOCAL steps and SYNC steps' exchange inputs run a
-    one-pass kernel per bucket on the parameters' flat storage, bitwise the oracle, and a LOCAL
-    step moves each parameter's version counter as torch's in-place ops would."""
+    """On the CPU with float32 parameters, LOCAL steps (with their finiteness check) and SYNC
+    steps' exchange inputs run one kernel call per bucket on the parameters' flat storage,
+    bitwise the oracle, and a LOCAL step moves each parameter's version counter as torch's
+    in-place ops would."""
     from hvd_zoadam import native
     if not native.local_step_fused(torch.zeros(1)):
         pytest.skip("torch's CPU kernels here round lerp unfused: the torch ops run")
     calls = []
-    for name in ("local_step", "local_window_update"):
+    for name in ("local_step_if_finite", "local_window_update"):
         monkeypatch.setattr(native.cpu, name, lambda *a, name=name, kernel=getattr(native.cpu, name):
-                            calls.append(name) or kernel(*a))
+                            calls.append((name, a[0].shape[0])) or kernel(*a))
     got = train_threads(2, 26, torch.optim.AdamW, 0.05)
     want, _ = common.simulate_mlp(2, 26, KNOBS, torch.optim.AdamW, 0.05)
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[r][0], want[r]))
-    assert set(calls) == {"local_step", "local_window_update"}   # LOCAL steps, SYNC steps' inputs
+    n = sum(q.numel() for q in common.mlp().parameters())  # one bucket: each call takes it whole
+    assert {(name, n) for name in ("local_step_if_finite", "local_window_update")} <= set(calls), set(calls)
     model = common.mlp()
     opt = make(model, solo())
     for t in range(1, 40):

@@ -15,38 +15,16 @@ algorithms (:mod:`hvd_zoadam.core.algorithms`) compute, and the shell's step dri
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
-from hvd_zoadam import native
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange
 from hvd_zoadam.comm.protocol import CollectiveNames, Exchange
 from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core import bucket as flat_storage
 from hvd_zoadam.core import step_math
+from hvd_zoadam.core.bucket import Bucket
 from hvd_zoadam.core.layout import make_buckets, scale_segments
-
-
-@dataclass
-class Bucket:
-    """One fused exchange unit: consecutive trainable params of one param group and device."""
-
-    group_index: int
-    params: list
-    names: list
-    exchange: Exchange
-    exp_avg: torch.Tensor       # float32[n]
-    exp_avg_sq: torch.Tensor    # float32[n]
-    anchor: torch.Tensor        # float32[n], x_a; meaningful after the freeze
-    master: torch.Tensor | None = None  # float32[n] master weights when the params are fp16/bf16
-    mask: torch.Tensor | None = None    # uint8[n] momentum mask (exp_avg_mask), 0 = never moves
-    flat: torch.Tensor | None = None    # [n] of the params' dtype whose views the params are (flat storage)
-    views: dict = field(default_factory=dict)  # key -> list of per-param views of the flat buffers
-    kinds: list = field(default_factory=list)  # (dtype, device) of each param when laid out
-
-    @property
-    def numel(self) -> int:
-        return self.exchange.numel
 
 
 class Engine:
@@ -159,10 +137,7 @@ class Engine:
                 self.state[p]["exp_avg_mask" if key == "mask" else key] = v
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1).float() for p in params], out=bucket.anchor)
-        if all(p.is_contiguous() for p in params):
-            bucket.flat = torch.cat([p.detach().reshape(-1) for p in params])
-            for p, v in zip(params, bucket.flat.split(numels)):
-                p.data = v.view_as(p)
+        flat_storage.lay_out(bucket)
         self.buckets.append(bucket)
         for key, size in (("x", n), ("g", exchange.padded_numel), ("w", n)):
             if self.scratch.get(key, torch.empty(0)).numel() < size:
@@ -181,42 +156,8 @@ class Engine:
         return [k for b in self.buckets for k in b.kinds]
 
     def check_params_unchanged(self) -> None:
-        """The buffers were laid out for the parameters at construction: refuse to go on when a
-        parameter was replaced in param_groups, resized in place, or cast or moved to another
-        dtype or device (ValueError naming it)."""
-        current = [p for g in self.param_groups for p in g["params"]
-                   if p.numel() and (p.requires_grad or p in self.bucket_of)]  # frozen since: still laid out
-        laid_out = [p for b in self.buckets for p in b.params]
-        if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
-                and all(p.numel() == v.numel() for b in self.buckets for p, v in zip(b.params, b.views["exp_avg"])) \
-                and all((p.dtype, p.device) == kind for p, kind in zip(laid_out, self._kinds)):
-            return
-        for p, (dtype, device), name in zip(laid_out, self._kinds, (n for b in self.buckets for n in b.names)):
-            if (p.dtype, p.device) != (dtype, device):
-                raise ValueError(f"parameter {name!r} changed from {dtype} on {device} to {p.dtype} on {p.device} "
-                                 "after the optimizer was built (so would its gradient); the buffers and the "
-                                 "exchange no longer fit. Move or cast the model first, then build "
-                                 "hvd_zoadam.DistributedOptimizer.")
-        for b in self.buckets:
-            for p, v, name in zip(b.params, b.views["exp_avg"], b.names):
-                if p.numel() != v.numel():
-                    raise ValueError(f"parameter {name!r} changed shape from {tuple(v.shape)} to {tuple(p.shape)} "
-                                     "after the optimizer was built; its error buffers and chunks no longer fit. "
-                                     "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
-        names = {p: n for b in self.buckets for p, n in zip(b.params, b.names)}
-        in_groups = {p for g in self.param_groups for p in g["params"]}
-        for index, group in enumerate(self.param_groups if all(p in in_groups for p in names) else ()):
-            for j, p in enumerate(group["params"]):
-                if p.requires_grad and p.numel() and p not in names:
-                    raise ValueError(f"param_groups[{index}]['params'][{j}] ({self.names.get(p, 'unnamed')!r}) "
-                                     "requires a gradient but had requires_grad=False when the optimizer was built, "
-                                     "so hvd_zoadam holds no state for it: build the optimizer while it is trainable "
-                                     "(a parameter frozen later keeps its state and stays still while frozen), or "
-                                     "put it in a group of its own with add_param_group")
-        raise ValueError("the trainable parameters in param_groups are not the ones hvd_zoadam laid out at "
-                         "construction (a parameter was replaced or removed); build a new "
-                         "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
-                         "for new parameters")
+        """:func:`check_params_unchanged` of this engine."""
+        check_params_unchanged(self)
 
     def layout_items(self) -> dict:
         """The bucket layout for the cross-rank check: names, shapes, dtypes per bucket."""
@@ -256,76 +197,61 @@ class Engine:
 
         ``raw``: ``p.grad`` holds this rank's own gradient (not an exchange result), which is
         still multiplied by a ``torch.amp.GradScaler`` loss scale when one drives the step.
+        One copy where the gradients are views of the bucket's flat storage (:meth:`grads`).
         """
-        grads = []
-        for p, name in zip(bucket.params, bucket.names):
-            g = p.grad
-            if g is None:
-                g = torch.zeros_like(p)
-            elif g.is_sparse:
-                g = self.sparse_grad(name, g)
-            grads.append(g.reshape(-1).float())
-        torch.cat(grads, out=out[:bucket.numel])
+        n = bucket.numel
+        if flat_storage.grads_in_storage(bucket):
+            out[:n].copy_(bucket.grad)
+        else:
+            grads = []
+            for p, name in zip(bucket.params, bucket.names):
+                g = p.grad
+                if g is None:
+                    g = torch.zeros_like(p)
+                elif g.is_sparse:
+                    g = self.sparse_grad(name, g)
+                grads.append(g.reshape(-1).float())
+            torch.cat(grads, out=out[:n])
         if raw and self.inv_grad_scale is not None:
-            out[:bucket.numel].mul_(self.inv_grad_scale)
-        return out[:bucket.numel]
+            out[:n].mul_(self.inv_grad_scale)
+        return out[:n]
 
-    def own_grads(self, bucket: Bucket) -> list | None:
-        """The bucket's ``p.grad`` as they are, where a step may read them in place instead of
-        from :meth:`grads_into`'s gathered copy: float32 parameters (no master weights), each with a
-        dense gradient, no loss scale to take out, and every tensor one that
-        :func:`hvd_zoadam.native.local_step_fused` takes (float32, contiguous, on the CPU).
-        Else None."""
-        if bucket.master is not None or self.inv_grad_scale is not None:
-            return None
-        grads = [p.grad for p in bucket.params]
-        if any(g is None or g.is_sparse or g.shape != p.shape for g, p in zip(grads, bucket.params)):
-            return None
-        return grads if native.local_step_fused(*grads, *bucket.params) else None
+    def grads(self, b: Bucket, raw: bool = True) -> torch.Tensor:
+        """Bucket ``b``'s gradients as float32[n], for reading only (as :meth:`grads_into`).
 
-    @staticmethod
-    def scatter(flat: torch.Tensor, targets: list) -> None:
-        """Copy consecutive pieces of ``flat`` into ``targets`` (cast to each target's dtype)."""
-        torch._foreach_copy_([t.detach() for t in targets],
-                             [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in targets]), targets)])
+        Where the bucket has flat storage and every ``p.grad`` is a dense tensor of its
+        parameter's shape, the gradients are copied into ``b.grad`` in one op (none when they
+        are its views already) and each ``p.grad`` becomes its view, as DDP's
+        ``gradient_as_bucket_view`` does: with ``zero_grad(set_to_none=False)`` backward then
+        accumulates into them and no step copies. float32 gradients are then read where they
+        are; others (and a loss scale to take out) go through the engine's scratch."""
+        if not flat_storage.grads_in_storage(b) and not flat_storage.move_grads_to_storage(b):
+            return self.grads_into(b, self.scratch["g"], raw)
+        if b.grad.dtype != torch.float32 or (raw and self.inv_grad_scale is not None):
+            return self.grads_into(b, self.scratch["g"], raw)
+        return b.grad
+
+    scatter = staticmethod(flat_storage.scatter)
 
     def write_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """p.grad <- the bucket's piece of ``flat`` (a dense gradient made where there is none)."""
+        if flat_storage.grads_in_storage(bucket):
+            bucket.grad.copy_(flat[:bucket.numel])
+            return
         for p in bucket.params:
             if p.grad is None or p.grad.is_sparse:
                 p.grad = torch.zeros_like(p)
         self.scatter(flat[:bucket.numel], [p.grad for p in bucket.params])
 
-    def storage(self, b: Bucket) -> torch.Tensor | None:
-        """Bucket ``b``'s flat storage, ``b.flat`` ([n], the parameters' dtype), with every
-        parameter a view of it again, or None when the bucket has none (a parameter was not
-        contiguous when it was laid out: its x is gathered and scattered).
-
-        A parameter whose ``.data`` was replaced since (``p.data = t``, a module's
-        ``_apply``) by a tensor of the same shape, dtype and device (anything else is refused by
-        :meth:`check_params_unchanged`) has its values copied into its place in ``b.flat`` and
-        becomes its view again. Costs a data pointer per parameter; no host synchronisation."""
-        flat = b.flat
-        if flat is None:
-            return None
-        base, size, offset = flat.data_ptr(), flat.element_size(), 0
-        for p in b.params:
-            if p.data_ptr() != base + offset * size:
-                view = flat[offset:offset + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-            offset += p.numel()
-        return flat
-
     def load_x(self, b: Bucket) -> torch.Tensor:
-        """x as float32[n]: the flat storage of float32 params (:meth:`storage`; the parameters
+        """x as float32[n]: the flat storage of float32 params (:func:`.bucket.storage`; the parameters
         themselves, not a copy), the master weights of fp16/bf16 params, or else the params
         gathered into the scratch.
 
         Master weights are re-read from the params when someone else changed them since our
         last write (a model load or a broadcast), detected by comparing the rounded values.
         """
-        flat = self.storage(b)
+        flat = flat_storage.storage(b)
         if b.master is None:
             if flat is not None:
                 return flat
@@ -351,7 +277,7 @@ class Engine:
             return
         if not (x.data_ptr() == flat.data_ptr() and x.dtype == flat.dtype):
             flat.copy_(x)
-        bump_versions(b.params)
+        flat_storage.bump_versions(b.params)
 
     def x_buffer(self, b: Bucket) -> torch.Tensor:
         """Where :meth:`load_x` puts bucket ``b``'s x (without gathering it again)."""
@@ -386,23 +312,58 @@ class Engine:
 
     def memory_bytes(self) -> dict:
         """Bytes held: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master weights for
-        fp16/bf16 parameters, uint8 masks), ``error_buffers``, ``scratch`` (reused every step; on the
-        CPU also the kept denominators of :meth:`denom`) and ``total``."""
+        fp16/bf16 parameters, uint8 masks), ``error_buffers``, ``gradient_storage`` (each flat
+        bucket's gradients, whose views ``p.grad`` become: :meth:`grads`), ``scratch`` (reused every
+        step; on the CPU also the kept denominators of :meth:`denom`) and ``total``. The
+        parameters' flat storage replaces their own and is not counted."""
         state = sum((3 + (b.master is not None)) * 4 * b.numel + (b.mask is not None) * b.numel
                     for b in self.buckets)
         errors = sum(b.exchange.memory_bytes()["error_buffers"] for b in self.buckets)
         scratch = sum(t.numel() * t.element_size() for t in self.scratch.values()) \
             + sum(b.exchange.memory_bytes()["scratch"] for b in self.buckets) \
             + self.derived.denom_bytes()
-        return {"state": state, "error_buffers": errors, "scratch": scratch, "total": state + errors + scratch}
+        grads = sum(b.grad.numel() * b.grad.element_size() for b in self.buckets if b.grad is not None)
+        return {"state": state, "error_buffers": errors, "gradient_storage": grads, "scratch": scratch,
+                "total": state + errors + grads + scratch}
 
 
-def bump_versions(params) -> None:
-    """Move each parameter's autograd version counter, as torch's in-place ops would after a
-    kernel, or an op on their flat storage, wrote into it (a view made by ``p.data = view``
-    keeps a counter of its own; one tensor a call: torch before 2.5 takes no list)."""
-    for p in params:
-        torch.autograd.graph.increment_version(p)
+def check_params_unchanged(engine: Engine) -> None:
+    """The buffers of ``engine`` were laid out for the parameters at construction: refuse to go on when a
+    parameter was replaced in param_groups, resized in place, or cast or moved to another
+    dtype or device (ValueError naming it)."""
+    current = [p for g in engine.param_groups for p in g["params"]
+               if p.numel() and (p.requires_grad or p in engine.bucket_of)]  # frozen since: still laid out
+    laid_out = [p for b in engine.buckets for p in b.params]
+    if len(current) == len(laid_out) and all(a is b for a, b in zip(current, laid_out)) \
+            and all(p.numel() == v.numel() for b in engine.buckets for p, v in zip(b.params, b.views["exp_avg"])) \
+            and all((p.dtype, p.device) == kind for p, kind in zip(laid_out, engine._kinds)):
+        return
+    for p, (dtype, device), name in zip(laid_out, engine._kinds, (n for b in engine.buckets for n in b.names)):
+        if (p.dtype, p.device) != (dtype, device):
+            raise ValueError(f"parameter {name!r} changed from {dtype} on {device} to {p.dtype} on {p.device} "
+                             "after the optimizer was built (so would its gradient); the buffers and the "
+                             "exchange no longer fit. Move or cast the model first, then build "
+                             "hvd_zoadam.DistributedOptimizer.")
+    for b in engine.buckets:
+        for p, v, name in zip(b.params, b.views["exp_avg"], b.names):
+            if p.numel() != v.numel():
+                raise ValueError(f"parameter {name!r} changed shape from {tuple(v.shape)} to {tuple(p.shape)} "
+                                 "after the optimizer was built; its error buffers and chunks no longer fit. "
+                                 "Build a new hvd_zoadam.DistributedOptimizer after changing the model.")
+    names = {p: n for b in engine.buckets for p, n in zip(b.params, b.names)}
+    in_groups = {p for g in engine.param_groups for p in g["params"]}
+    for index, group in enumerate(engine.param_groups if all(p in in_groups for p in names) else ()):
+        for j, p in enumerate(group["params"]):
+            if p.requires_grad and p.numel() and p not in names:
+                raise ValueError(f"param_groups[{index}]['params'][{j}] ({engine.names.get(p, 'unnamed')!r}) "
+                                 "requires a gradient but had requires_grad=False when the optimizer was built, "
+                                 "so hvd_zoadam holds no state for it: build the optimizer while it is trainable "
+                                 "(a parameter frozen later keeps its state and stays still while frozen), or "
+                                 "put it in a group of its own with add_param_group")
+    raise ValueError("the trainable parameters in param_groups are not the ones hvd_zoadam laid out at "
+                     "construction (a parameter was replaced or removed); build a new "
+                     "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
+                     "for new parameters")
 
 
 def refresh_masks(engine: Engine) -> None:

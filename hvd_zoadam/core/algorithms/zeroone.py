@@ -168,11 +168,10 @@ class ZeroOneAdam:
         ``x``, ``exp_avg``: where to take the step (float32[n] each), by default the bucket's own
         x (:meth:`Engine.load_x`: the parameters' flat storage itself) and m; :meth:`sync_input`
         passes copies."""
-        g = engine.grads_into(b, engine.scratch["g"])
+        g = engine.grads(b)
         x = engine.load_x(b) if x is None else x
         exp_avg = b.exp_avg if exp_avg is None else exp_avg
-        if native.all_finite(g):
-            native.local_step(g, x, exp_avg, denom, mask=engine.mask_of(b), **self.local_scalars(engine, h))
+        native.local_step_if_finite(g, x, exp_avg, denom, mask=engine.mask_of(b), **self.local_scalars(engine, h))
         return x
 
     def local_step(self, ctx: StepContext, k: int) -> None:
@@ -202,7 +201,7 @@ class ZeroOneAdam:
         denom = engine.denom(b, h)
         buf[b.numel:].zero_()
         if self.precondition_compression:  # the common case in one pass that writes only buf
-            g, x = engine.grads_into(b, engine.scratch["g"]), engine.load_x(b)
+            g, x = engine.grads(b), engine.load_x(b)
             if not native.local_window_update(g, x, b.exp_avg, denom, b.anchor, buf[:b.numel],
                                               decay_product=decay_product, mask=engine.mask_of(b),
                                               **self.local_scalars(engine, h)):
@@ -235,12 +234,11 @@ def _with_gradients(ctx: StepContext, k: int, var_update_steps: int = 1):
     """Per bucket: (bucket, its Hyper, its gradient float32[n] from p.grad, x float32[n]); x is
     scattered back into the parameters once the caller's step on it is done."""
     engine = ctx.engine
-    g = engine.scratch["g"]
     for b in engine.buckets:
         h = engine.hyper(b, ctx.step, k, var_update_steps)
-        engine.grads_into(b, g, raw=not ctx.exchanged)
+        g = engine.grads(b, raw=not ctx.exchanged)
         x = engine.load_x(b)
-        yield b, h, g[:b.numel], x
+        yield b, h, g, x
         engine.store_x(b, x)
 
 
