@@ -31,7 +31,7 @@ import torch
 from . import cpu, reference
 
 __all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite",
-           "all_finite_many", "clamp_finite_", "clamp_by", "local_step", "local_step_if_finite",
+           "all_finite_many", "clamp_finite_", "precondition_clamp_", "clamp_by", "local_step", "local_step_if_finite",
            "local_window_update", "local_step_fused",
            "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress",
            "server_reduce", "decompress", "decompress_momentum", "decompress_sync", "reference"]
@@ -253,12 +253,9 @@ def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_er
     if eo is not server_error:  # the chunk's padding is not written: keep it as server_error's
         real = max(0, min(plan.chunk_numel, plan.numel - plan.chunk_start))
         eo[real:].copy_(server_error[real:])
-    pk, e = _np(packed), _np(eo)
-    cpu.server_average(_np(recv), _np(all_worker_scales), _np(server_error), e, plan.server_tasks,
-                       plan.chunk_start, plan.server_partial)
-    cpu.reduce_scales(plan.server_tasks, plan.server_partial, plan.offsets, plan.chunk_start,
-                      plan.chunk_start + plan.chunk_numel, _np(scales))
-    cpu.pack_update(e, False, e, e, plan.chunk_start, plan.offsets, _np(scales), pk)
+    cpu.server_reduce(_np(recv), _np(all_worker_scales), _np(server_error), _np(eo), plan.server_tasks,
+                      plan.chunk_start, plan.chunk_start + plan.chunk_numel, plan.server_partial, plan.offsets,
+                      _np(scales), _np(packed))
     return packed, scales
 
 
@@ -320,6 +317,17 @@ def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:
     if _cpu_kernels(y) and all_finite(y):  # one read-only pass, then the clamp alone
         return y.clamp_(-bound, bound)
     return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-bound, bound)
+
+
+def precondition_clamp_(y: torch.Tensor, denom: torch.Tensor, bound: float) -> torch.Tensor:
+    """In place, ``y <- clamp_finite_(y / denom, bound)`` (:func:`clamp_finite_`): a COMPRESSED
+    step's preconditioned exchange input, a NaN/Inf still reaching the scales. One pass on the
+    CPU (:func:`cpu.precondition_clamp`), bitwise the torch ops. ``y``, ``denom``: float32[n].
+    Returns ``y``."""
+    if _cpu_kernels(y, denom) and y.dtype == denom.dtype == torch.float32:
+        cpu.precondition_clamp(*_flat(y, denom), np.float32(bound))
+        return y
+    return clamp_finite_(y.div_(denom), bound)
 
 
 def clamp_by(g: torch.Tensor, denom: torch.Tensor, c: float) -> torch.Tensor:
@@ -590,6 +598,7 @@ def _warm_calls(device: torch.device) -> None:
         local_step_if_finite(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
         local_window_update(v[0], v[1], v[2], v[3], v[4], ones(n), mask=mask, weight=0.1, step_size=-0.1)
     all_finite(v[0])
+    precondition_clamp_(v[4], v[3], 1.0)
     clamp_by(v[0], v[1], 1.0)
     sync_prepare(v[0], v[1], 0.5, v[4])
     sync_rebuild(v[4], v[0], v[1], v[2], v[3], 0.5, 0.5)

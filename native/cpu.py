@@ -403,6 +403,15 @@ def server_average(recv, wscales, server_error, out, tasks, chunk_start, partial
         partial[t] = acc2
 
 
+@njit(cache=True)
+def server_reduce(recv, wscales, server_error, e, tasks, chunk_start, chunk_end, partial, offsets, scales, packed):
+    """The server side in one call: :func:`server_average` into ``e``, :func:`reduce_scales`
+    of the chunk, then :func:`pack_update` of ``e`` in place (``packed``, and e the new error)."""
+    server_average(recv, wscales, server_error, e, tasks, chunk_start, partial)
+    reduce_scales(tasks, partial, offsets, chunk_start, chunk_end, scales)
+    pack_update(e, False, e, e, chunk_start, offsets, scales, packed)
+
+
 # -- unpacking ----------------------------------------------------------------------------
 
 @njit(inline="always")
@@ -547,6 +556,26 @@ def count_non_finite(a):
             b += 0 if abs(a[lo + k]) < np.float32(np.inf) else 1
         bad += b
     return bad
+
+
+@njit(parallel=True, cache=True, error_model="numpy")  # x/0 is ±inf or NaN, as in torch
+def precondition_clamp(y, s, bound):
+    """In place, y <- clamp(y/s, -bound, bound), every non-finite y/s made NaN so that it
+    reaches the scales (algorithm.md §5); one pass. Bitwise torch's ``y.div_(s)`` then
+    :func:`hvd_zoadam.native.clamp_finite_`. ``y``, ``s``: float32[n]; ``bound``: float32."""
+    n = y.shape[0]
+    nan, inf = np.float32(np.nan), np.float32(np.inf)
+    for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
+        lo = t * TASK_NUMEL
+        for i in range(lo, min(n, lo + TASK_NUMEL)):
+            z = y[i] / s[i]
+            if not abs(z) < inf:
+                z = nan
+            elif z < -bound:
+                z = -bound
+            elif z > bound:
+                z = bound
+            y[i] = z
 
 
 @njit(parallel=True, cache=True)

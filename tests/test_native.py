@@ -580,3 +580,23 @@ def test_warm_up_compiles_every_cpu_kernel_that_training_then_calls():
         assert all(n > 0 for n in kinds.values()) and masked, got
     assert all(n > 0 for n in got["warmed"].values()), got  # the local kernels run on this machine
     assert got["compiled_later"] == {}
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 200_000), scale=st.sampled_from([1e-8, 1e-3, 1.0, 1e3]), seed=st.integers(0, 1000),
+       bound=st.floats(0.01, 50.0))
+def test_precondition_clamp_is_bitwise_the_torch_ops_specials_included(n, scale, seed, bound):
+    """A COMPRESSED step's exchange input in one pass: y/s clamped, ±Inf and NaN (from y, or
+    from s = 0) made NaN, bitwise ``div_`` then :func:`native.clamp_finite_`'s torch ops."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, generator=gen) * scale
+    y[::11] = -0.0
+    s = torch.rand(n, generator=gen) * 1e-3 + 1e-8
+    if n > 40:
+        y[3], y[17], y[29] = float("nan"), float("inf"), -float("inf")
+        s[23] = 0.0
+    q = y.div(s)
+    want = q.masked_fill_(torch.isinf(q), float("nan")).clamp_(-bound, bound)
+    got = native.precondition_clamp_(y.clone(), s, bound)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got.signbit(), want.signbit())

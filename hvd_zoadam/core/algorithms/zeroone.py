@@ -107,7 +107,7 @@ class ZeroOneAdam:
         buf[b.numel:].zero_()
         engine.grads_into(b, buf)
         if pre is not None:
-            native.clamp_finite_(buf[:b.numel].div_(pre[0]), pre[1])  # a NaN/Inf must reach the scales
+            native.precondition_clamp_(buf[:b.numel], pre[0], pre[1])  # a NaN/Inf must reach the scales
 
     @staticmethod
     def consume_compressed(engine: Engine, b: Bucket, w: torch.Tensor,
@@ -198,18 +198,26 @@ class ZeroOneAdam:
         if not lr_sum > 0:
             return False
         h = engine.hyper(b, step, counters["exp_avg_sq_steps"])
-        denom = engine.denom(b, h)
+        self.window_input(engine, b, h, engine.denom(b, h), decay_product, buf)
+        return True
+
+    def window_input(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
+                     decay_product: float, buf: torch.Tensor) -> None:
+        """SYNC steps 1–3 of bucket ``b`` with x and m left as they are: the window's update
+        after this step's local update (on copies), u = x_a·``decay_product`` − x' (times s
+        without ``precondition_compression``), into the padded float32 ``buf``. One pass over
+        the bucket on the CPU (:func:`native.local_window_update`); a g that is not finite
+        gives the u of x as it is (this rank's local step skips, algorithm.md §5)."""
         buf[b.numel:].zero_()
         if self.precondition_compression:  # the common case in one pass that writes only buf
             g, x = engine.grads(b), engine.load_x(b)
             if not native.local_window_update(g, x, b.exp_avg, denom, b.anchor, buf[:b.numel],
                                               decay_product=decay_product, mask=engine.mask_of(b),
                                               **self.local_scalars(engine, h)):
-                fill_sync(b, x, denom, decay_product, buf, True)  # g not finite: this rank's step skips
-            return True
+                fill_sync(b, x, denom, decay_product, buf, True)
+            return
         x = self.local_update(engine, b, h, denom, engine.x_copy(b), b.exp_avg.clone())
-        fill_sync(b, x, denom, decay_product, buf, self.precondition_compression)
-        return True
+        fill_sync(b, x, denom, decay_product, buf, False)
 
     def deliver_owed(self, engine: Engine, b: Bucket, owed: torch.Tensor, step: int, k: int) -> None:
         """Put the error feedback that a job of several ranks still owed, ``owed`` =
@@ -286,20 +294,18 @@ def fill_sync(b: Bucket, x: torch.Tensor, denom: torch.Tensor, decay_product: fl
 
 
 class _SyncStep:
-    """One SYNC step (algorithm.md §2): the local update of every bucket, then the 1-bit
-    exchange of each live bucket's window update and the rebuild of x, m and the anchor.
+    """One SYNC step (algorithm.md §2): the 1-bit exchange of each live bucket's window update
+    after this step's local update, and the rebuild of x, m and the anchor from it.
 
-    The engine's scratch holds one bucket's x at a time, and on a GPU one bucket's
-    denominator (:meth:`~hvd_zoadam.core.engine.Engine.denom`; on the CPU the engine keeps every bucket's);
-    ``denom_for`` and ``x_for`` say whose. A denominator the scratch no longer holds is
-    recomputed where it is used (bitwise the same each time: v is frozen). With one bucket
-    a local update leaves its x where :meth:`~hvd_zoadam.core.engine.Engine.load_x` put it
-    until the rebuild, so that x is stored into the parameters only if the bucket is not
-    rebuilt (where the parameters have flat storage, x is that storage: nothing to copy).
-
-    A bucket whose exchange the backward hooks started (``ctx.started_early``) has its local
-    update taken only if the exchange is skipped: otherwise the rebuild, which reads neither x
-    nor m, overwrites them both.
+    The rebuild overwrites x and m without reading them, so a live bucket's local update is
+    taken on copies for the exchange input only (:meth:`ZeroOneAdam.window_input`, by
+    :meth:`fill` or by the backward hooks, ``ctx.started_early``), and on x and m for real only
+    when the exchange is skipped (bitwise the same update: nothing it reads has changed). A
+    bucket whose window did not move (its learning rates sum to 0) sends nothing and takes its
+    local update at once. On a GPU the engine's scratch holds one bucket's denominator at a
+    time (:meth:`~hvd_zoadam.core.engine.Engine.denom`; on the CPU the engine keeps every
+    bucket's): ``denom_for`` says whose, and another is recomputed where it is used (bitwise
+    the same each time: v is frozen).
     """
 
     def __init__(self, algorithm: ZeroOneAdam, ctx: StepContext, k: int):
@@ -308,40 +314,29 @@ class _SyncStep:
         self.preconditioned = algorithm.precondition_compression
         self.denom_for = None  # the bucket whose denominator denom_value is
         self.denom_value = None
-        self.x_for = None      # the bucket whose x the scratch holds
         self.rebuilt = set()   # id() of the buckets rebuilt from the exchange
 
     def run(self) -> None:
         engine, ctx = self.engine, self.ctx
-        defer = len(engine.buckets) == 1
+        live = [b for b in engine.buckets if window_after(engine.param_groups[b.group_index])[0] > 0]
+        sending = {id(b) for b in live}
         for b in engine.buckets:
-            if id(b) not in ctx.started_early:
-                self.local_update(b, scatter=not defer)
+            if id(b) not in sending:
+                self.local_update(b)  # nothing to send: m still moves with g
         advance_window(engine.param_groups)
-        # A window whose learning rates sum to 0 did not move: nothing to send, m stays.
-        live = [b for b in engine.buckets if engine.param_groups[b.group_index]["lr_sum"] > 0]
         if ctx.exchange(live, self.fill, self.consume, self.consume_packed):
             for group in engine.param_groups:
                 group["lr_sum"], group["decay_product"] = 0.0, 1.0
         elif live:
             ctx.skipped = True
-        for b in engine.buckets:  # not rebuilt: the exchange was skipped, or the window did not move
-            if id(b) in self.rebuilt:
-                continue
-            if id(b) in ctx.started_early:
-                self.local_update(b, scatter=True)
-            elif defer:
-                engine.store_x(b, self.x(b))
+        for b in live:  # not rebuilt: the exchange was skipped
+            if id(b) not in self.rebuilt:
+                self.local_update(b)
 
-    def local_update(self, b: Bucket, scatter: bool) -> None:
-        """SYNC step 1 on bucket ``b`` (:meth:`ZeroOneAdam.local_update`): x into the parameters
-        when ``scatter`` (nothing to copy where they are its flat storage), else left where
-        :meth:`~hvd_zoadam.core.engine.Engine.load_x` put it."""
+    def local_update(self, b: Bucket) -> None:
+        """SYNC step 1 on bucket ``b`` for real (:meth:`ZeroOneAdam.local_update`)."""
         h = self.engine.hyper(b, self.ctx.step, self.k)
-        x = self.algorithm.local_update(self.engine, b, h, self.denom(b))
-        if scatter:
-            self.engine.store_x(b, x)
-        self.x_for = b
+        self.engine.store_x(b, self.algorithm.local_update(self.engine, b, h, self.denom(b)))
 
     def denom(self, b: Bucket):
         if self.denom_for is not b:
@@ -349,17 +344,11 @@ class _SyncStep:
             self.denom_for = b
         return self.denom_value
 
-    def x(self, b: Bucket):
-        """x as the local update left it (and scattered it): no second gather when it is still there."""
-        if self.x_for is not b:
-            self.engine.load_x(b)
-            self.x_for = b
-        return self.engine.x_buffer(b)
-
     def fill(self, b: Bucket, buf: torch.Tensor) -> None:
-        """SYNC steps 2–3: the window's update u into the exchange input ``buf``."""
+        """SYNC steps 1–3 on copies: the window's update u into the exchange input ``buf``."""
         group = self.engine.param_groups[b.group_index]
-        fill_sync(b, self.x(b), self.denom(b), group["decay_product"], buf, self.preconditioned)
+        self.algorithm.window_input(self.engine, b, self.engine.hyper(b, self.ctx.step, self.k), self.denom(b),
+                                    group["decay_product"], buf)
 
     def _factor(self, b) -> float:
         group = self.engine.param_groups[b.group_index]
@@ -369,7 +358,6 @@ class _SyncStep:
         """SYNC steps 5–7 from the unpacked w."""
         group = self.engine.param_groups[b.group_index]
         x = self.engine.x_buffer(b)
-        self.x_for = None  # overwritten with the new x below
         mask = self.engine.mask_of(b)
         if mask is None and self.preconditioned:  # the common case in one pass
             native.sync_rebuild(w, b.anchor, x, b.exp_avg, self.denom(b), self._factor(b), group["decay_product"])
@@ -386,7 +374,6 @@ class _SyncStep:
         master weights or the scratch."""
         group = self.engine.param_groups[b.group_index]
         x = self.engine.x_buffer(b)
-        self.x_for = None  # overwritten with the new x below
         mask = self.engine.mask_of(b)
         native.decompress_sync(packed, server_scales, b.exchange.plan, anchor=b.anchor, param=x, exp_avg=b.exp_avg,
                                denom=self.denom(b), factor=self._factor(b), decay_product=group["decay_product"],
