@@ -117,11 +117,13 @@ class Launches:
             self._wrap_call(FakeCUDAKernel, lambda k: not k._device)
         except ImportError:
             pass
-        try:
-            from numba.cuda.dispatcher import _LaunchConfiguration
-            self._wrap_call(_LaunchConfiguration, lambda k: True)
-        except ImportError:
-            pass
+        from numba import config
+        if not config.ENABLE_CUDASIM:  # numba-cuda's dispatcher does not import under the simulator
+            try:
+                from numba.cuda.dispatcher import _LaunchConfiguration
+                self._wrap_call(_LaunchConfiguration, lambda k: True)
+            except ImportError:
+                pass
         return self
 
     def _wrap(self, module, name, fn):
