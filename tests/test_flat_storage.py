@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hvd_zoadam
+from hvd_zoadam import StepKind
 from hvd_zoadam.comm.thread import ThreadGroup
 from hvd_zoadam.core import bucket
 
@@ -117,3 +118,27 @@ def test_a_non_contiguous_parameter_keeps_its_strides_and_the_oracles_bits():
     want = train(b, make(b), 20)
     assert not next(a.parameters()).is_contiguous()
     assert all(torch.equal(x, y) for x, y in zip(want, got))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("kind", [StepKind.COMPRESSED, StepKind.LOCAL])
+def test_a_gradient_that_is_not_finite_skips_the_step_at_one_rank(kind, set_to_none):
+    """At P = 1 a NaN in the flat gradients (read in place, or copied in) leaves x, m and v as
+    they were. (A SYNC step skips only its local update: the window's update is still sent,
+    and x and m rebuilt from it, algorithm.md §5.)"""
+    model = common.mlp()
+    opt = make(model)
+    for t in range(1, 40):
+        opt.zero_grad(set_to_none=set_to_none)
+        common.loss_fn(model, t, 0).backward()
+        if opt._next_kind()[1] is kind and t > 2:
+            break
+        opt.step()
+    assert opt._next_kind()[1] is kind
+    next(model.parameters()).grad[0, 0] = float("nan")
+    held = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+            for p in model.parameters()]
+    opt.step()
+    for p, (x, m, v) in zip(model.parameters(), held):
+        assert torch.equal(p, x) and torch.equal(opt.state[p]["exp_avg"], m)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v)

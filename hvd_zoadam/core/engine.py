@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from hvd_zoadam import native
 from hvd_zoadam.comm.hierarchical import HierarchicalExchange
 from hvd_zoadam.comm.protocol import CollectiveNames, Exchange
 from hvd_zoadam.comm.transport import Transport
@@ -364,6 +365,17 @@ def check_params_unchanged(engine: Engine) -> None:
                      "construction (a parameter was replaced or removed); build a new "
                      "hvd_zoadam.DistributedOptimizer after changing the model, or use add_param_group "
                      "for new parameters")
+
+
+def grads_finite(engine: Engine) -> bool:
+    """Whether every gradient of every bucket is finite (the agreed skip at P = 1, where
+    nothing is exchanged), each bucket read flat (:meth:`Engine.grads`): one read-only pass per
+    bucket on the CPU (:func:`native.all_finite`), one host synchronisation in all on a GPU.
+    Bucket by bucket, as the engine's scratch is shared."""
+    if engine.device is None or engine.device.type == "cpu":
+        return all(native.all_finite(engine.grads(b)) for b in engine.buckets)
+    flags = [torch.isfinite(engine.grads(b)).all() for b in engine.buckets]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def refresh_masks(engine: Engine) -> None:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import logging
 import warnings
 
-from hvd_zoadam import native
 from hvd_zoadam.comm.protocol import Average, CollectiveNames, exchange_buckets
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.core.algorithms import Algorithm, StepContext
-from hvd_zoadam.core.engine import Engine, hold_frozen, refresh_masks, restore_frozen
+from hvd_zoadam.core.engine import Engine, grads_finite, hold_frozen, refresh_masks, restore_frozen
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
@@ -181,9 +180,9 @@ class StepDriver:
             else:
                 skip = not self._compress_grads(step, window)
         elif how is not None:  # P = 1: nothing to exchange, but a NaN/Inf skips the step as at P > 1
-            skip = not native.all_finite_many(g.to_dense() if g.is_sparse else g
-                                              for b in self._buckets for p in b.params
-                                              for g in (p.grad,) if g is not None)
+            if how == "compressed":
+                refresh_masks(self._engine)  # the masks' one host read, as at P > 1
+            skip = not grads_finite(self._engine)
         self._pending = (step, kind, skip)
         self._synchronized = True
 
