@@ -482,9 +482,11 @@ def test_memory_report_matches_the_documented_formula_and_does_not_grow():
         nseg = -(-1_000_000 // 2048) + 2  # scale blocks: worker scales + server scales, 4 bytes each
         # four shared float32 buffers, the bucket's exchange input (P > 1), packed bytes, the two
         # messages (signs and scales), the server's packed chunk and its staged error (N/P floats),
-        # and on the CPU the kept denominators (n floats)
-        assert m6["scratch"] <= 5 * 4 * big + 4 * n + 2 * (big // 8) + 2 * (big // (8 * p)) + 4 * (big // p) \
-            + 8 * nseg + 64 * p
+        # on the CPU the kept denominators (n floats), and what the two rounds' messages are read
+        # into (their signs, N/8 bytes each, and scales)
+        assert m6["scratch"] <= 5 * 4 * big + 4 * n + 4 * (big // 8) + 2 * (big // (8 * p)) + 4 * (big // p) \
+            + 8 * nseg + 24 * p * nseg + 64 * p
+        assert m6["gradient_storage"] == 4 * n
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [

@@ -65,3 +65,13 @@ def test_a_compressed_or_sync_step_calls_the_kernels_a_few_times_per_bucket(coun
     b, v = counted["buckets"], counted["kinds"][kind]
     assert v["numba_launches"] <= launches * b, v
     assert v["bytes_per_param"] <= bytes_per_param, v
+
+
+@pytest.mark.parametrize("kind", ["compressed", "sync"])
+def test_a_compressed_or_sync_step_reads_its_messages_into_buffers_it_keeps(counted, kind):
+    """What rounds 1 and 2 bring is copied into the exchange's own buffers and the skip flag
+    decided in them: what allocates is the thread transport (a copy of each message sent and
+    the gathered result of each round, 4 per bucket), the stack of the heads' one read, and
+    after a VARIANCE step the masks of v = 0 derived again (2 per bucket and a stack)."""
+    b, v = counted["buckets"], counted["kinds"][kind]
+    assert v["allocations"] <= (6 if kind == "compressed" else 4) * b + 2, v

@@ -156,6 +156,37 @@ def exchange_bytes(numels: Iterable[int], world_size: int) -> int:
     return (world_size - 1) * (alltoall + allgather)
 
 
+class _Landing:
+    """The buffers an :class:`Exchange` reads its two rounds' messages into (P ranks, ``s`` scale
+    slots per chunk, ``count`` of them this rank's, ``nbytes`` bytes of signs per chunk), so
+    that a step allocates nothing for them, and the skip flag's own scratch."""
+
+    def __init__(self, p: int, s: int, count: int, nseg: int, nbytes: int, device: torch.device):
+        def u8(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.uint8, device=device)
+        self.steps, self.scales, self.packed = u8(p, 4), u8(p, 4 * s), u8(p, nbytes)
+        self.heads, self.result_scales_in, self.result_packed = u8(p, 12), u8(p, 4 * s), u8(p, nbytes)
+        self.result_scales_padded = torch.zeros(p, nseg + 1, dtype=torch.float32, device=device)
+        self.result_scales = torch.zeros(p, nseg, dtype=torch.float32, device=device)
+        self.finite = torch.zeros(p * count + count, dtype=torch.float32, device=device)
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
+        self.bad = torch.zeros(1, dtype=torch.bool, device=device)
+
+    def decide_flag(self, worker_scales: torch.Tensor, server_scales: torch.Tensor, head: torch.Tensor) -> None:
+        """head[0] <- 2 when head[1] != head[2] (ranks at different steps), else 1 when some
+        worker scale (float32[P, count]) or server scale (float32[count]) is not finite, else 0.
+        On the device, into buffers of its own: x·0 is 0 for finite x and NaN otherwise, so the
+        sum of those is NaN exactly when some scale is not finite."""
+        n = worker_scales.numel()
+        self.finite[:n].view_as(worker_scales).copy_(worker_scales)
+        self.finite[n:].copy_(server_scales)
+        torch.sum(self.finite.mul_(0.0), dim=0, out=self.total)
+        torch.ne(self.total, self.total, out=self.bad[0])
+        head[0:1].copy_(self.bad)
+        torch.ne(head[1:2], head[2:3], out=self.bad)
+        head[0:1].masked_fill_(self.bad, 2)
+
+
 class Exchange:
     """Plan, error buffers and scratch of one bucket's compressed exchange on one rank.
 
@@ -224,6 +255,8 @@ class Exchange:
         # idx[q, j]: the segment of chunk q's j-th scale slot (nseg, the padding 0, past count[q])
         self._idx = torch.tensor([[lo + j if j < c else self.nseg for j in range(s)] for lo, c in zip(los, counts)],
                                  dtype=torch.long, device=device).reshape(p, s)
+        self._idx_flat = self._idx.reshape(-1)
+        self._scale_slots = torch.zeros(p * s, dtype=torch.float32, device=device)  # the scales in send order
         nbytes = self.chunk_numel // 8
         self._m1, self._m3 = message_bytes(s, self.chunk_numel)  # alltoall bytes per destination, allgather's
         self._send = torch.zeros(p, self._m1, dtype=torch.uint8, device=device)
@@ -233,14 +266,19 @@ class Exchange:
         self._server_packed = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self._server_next = None    # where the server side puts the new e_s, read from server_error
         self._reduced = False       # this exchange's server side wrote _server_next
+        self._landing = None        # what rounds 1 and 2 read out of the messages (made on first use)
 
     def memory_bytes(self) -> dict:
         """Bytes held: the two error buffers, and the reusable scratch (the input buffer at
-        P > 1, packed bytes, the messages, the staged server error)."""
+        P > 1, packed bytes, the messages, the staged server error, what the messages are read
+        into)."""
         errors = (self.worker_error.numel() + self.server_error.numel()) * 4
-        scratch = self._packed.numel() + self._send.numel() + self._server_msg.numel() + self._server_packed.numel()
+        scratch = self._packed.numel() + self._send.numel() + self._server_msg.numel() + self._server_packed.numel() \
+            + 4 * self._scale_slots.numel()
         for buf in (self.input, self._next, self._server_next):
             scratch += 0 if buf is None else buf.numel() * 4
+        if self._landing is not None:
+            scratch += sum(t.numel() * t.element_size() for t in vars(self._landing).values())
         return {"error_buffers": errors, "scratch": scratch}
 
     def mask_errors(self, mask: torch.Tensor) -> None:
@@ -312,7 +350,8 @@ class Exchange:
         self._staged = staged
         send = self._send
         if s:
-            send[:, :4 * s].view(torch.float32).copy_(self._scales[self._idx])
+            torch.index_select(self._scales, 0, self._idx_flat, out=self._scale_slots)
+            send[:, :4 * s].view(torch.float32).copy_(self._scale_slots.view(p, s))
         send[:, 4 * s:4 * s + 4].view(torch.int32).fill_(self.step)
         send[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].copy_(self._packed.view(p, -1))
         return self.transport.start("alltoall", send.view(-1), f"{self.name}.signs")
@@ -324,11 +363,12 @@ class Exchange:
         p, s, r = self.transport.world_size, self.max_pieces, self.transport.rank
         recv = self.transport.wait(signs_handle).view(p, self._m1)
         lo, count = self.pieces[0][r], self.pieces[1][r]
-        steps = recv[:, 4 * s:4 * s + 4].contiguous().view(torch.int32).view(-1)
+        land = self._landing = self._landing or _Landing(p, s, count, self.nseg, self.chunk_numel // 8, self.device)
+        steps = land.steps.copy_(recv[:, 4 * s:4 * s + 4]).view(torch.int32).view(-1)
         msg = self._server_msg
         head = msg[:12].view(torch.int32)
-        torch.stack(torch.aminmax(steps), out=head[1:3])
-        scales = recv[:, :4 * s].contiguous().view(torch.float32)[:, :count]
+        torch.aminmax(steps, out=(head[1], head[2]))
+        scales = land.scales.copy_(recv[:, :4 * s]).view(torch.float32)[:, :count]
         # The flag, decided on the device and read by the host with round 2 (gather_status, or
         # every bucket's at once in exchange_buckets): 2 when the ranks announced different
         # steps, 1 when a worker scale or (finite ones summed past float32's range) a server
@@ -337,12 +377,11 @@ class Exchange:
         self._worker_scales[:, lo:lo + count] = scales
         if self._server_next is None:
             self._server_next = torch.zeros_like(self.server_error)
-        packed = recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].contiguous()
+        packed = land.packed.copy_(recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8])
         native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
                              self._server_packed, self._server_scales, error_out=self._server_next)
         self._reduced = True
-        bad = torch.cat((scales.reshape(-1), self._server_scales[lo:lo + count])).isfinite().logical_not_().any()
-        head[0:1].copy_(bad).masked_fill_(head[1:2] != head[2:3], 2)
+        land.decide_flag(scales, self._server_scales[lo:lo + count], head)
         if s:
             msg[12:12 + 4 * s].view(torch.float32)[:count] = self._server_scales[lo:lo + count]
         msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed
@@ -374,19 +413,21 @@ class Exchange:
         """Wait for round 2: every server's message, uint8[P, m3], on the device; nothing read."""
         return self.transport.wait(server_handle).view(self.transport.world_size, self._m3)
 
-    @staticmethod
-    def heads(gathered: torch.Tensor) -> torch.Tensor:
-        """Each server's (flag, lowest step, highest step) in ``gathered``: int32[P, 3], a view."""
-        return gathered[:, :12].contiguous().view(torch.int32)[:, :3]
+    def heads(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Each server's (flag, lowest step, highest step) in ``gathered``: int32[P, 3], in a
+        buffer of this exchange's."""
+        return self._landing.heads.copy_(gathered[:, :12]).view(torch.int32)[:, :3]
 
     def result_of(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """C(y) still packed from round 2's messages (:meth:`gather`'s result), on the device."""
-        p, s = self.transport.world_size, self.max_pieces
-        packed = gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8].reshape(-1)
-        server_scales = torch.zeros(p, self.nseg + 1, dtype=torch.float32, device=self.device)
+        """C(y) still packed from round 2's messages (:meth:`gather`'s result), on the device,
+        in buffers of this exchange's (valid until its next exchange)."""
+        s, land = self.max_pieces, self._landing
+        packed = land.result_packed.copy_(gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8]).view(-1)
+        server_scales = land.result_scales_padded.zero_()
         if s:
-            server_scales.scatter_(1, self._idx, gathered[:, 12:12 + 4 * s].contiguous().view(torch.float32))
-        return packed, server_scales[:, :self.nseg].contiguous()
+            scales = land.result_scales_in.copy_(gathered[:, 12:12 + 4 * s]).view(torch.float32)
+            server_scales.scatter_(1, self._idx, scales)
+        return packed, land.result_scales.copy_(server_scales[:, :self.nseg])
 
     def commit(self) -> None:
         """The exchange is not skipped: the staged errors become ``worker_error`` and
@@ -590,7 +631,7 @@ def _gather_all(buckets: list, served: list) -> list | None:
         results = [b.exchange.gather(h) for b, h in zip(buckets, served)]
         return None if any(r is None for r in results) else results
     gathered = [b.exchange.wait_gathered(h) for b, h in zip(buckets, served)]
-    heads = torch.stack([Exchange.heads(g) for g in gathered]).tolist()   # [B][P][3]: the one host read
+    heads = torch.stack([b.exchange.heads(g) for b, g in zip(buckets, gathered)]).tolist()  # [B][P][3]: one read
     status = [first_flag(h) for h in heads]
     for b, (flag, low, high) in zip(buckets, status):
         if flag == 2:
