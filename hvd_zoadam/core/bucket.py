@@ -1,6 +1,7 @@
 """A bucket (:class:`Bucket`) and its flat storage: its parameters, and its gradients once a
-step has read them, as views of one buffer each (as FSDP's flat parameter and DDP's ``gradient_as_bucket_view``), so
-that a step's kernels cover a bucket and nothing is gathered or scattered.
+step has read them, as views of one buffer each (as FSDP's flat parameter and DDP's
+``gradient_as_bucket_view``), so that a step's kernels cover a bucket and nothing is gathered or
+scattered.
 
 A view is broken by whoever replaces the tensor (``p.data = t``, a module's ``_apply``, autograd's
 fresh ``.grad`` after ``zero_grad(set_to_none=True)``); it is noticed by its data pointer (or the
@@ -63,8 +64,8 @@ def storage(b: Bucket) -> torch.Tensor | None:
 
     A parameter whose ``.data`` was replaced since (``p.data = t``, a module's
     ``_apply``) by a tensor of the same shape, dtype and device (anything else is refused by
-    :func:`hvd_zoadam.core.engine.check_params_unchanged`) has its values copied into its place in ``b.flat`` and
-    becomes its view again. Costs a data pointer per parameter; no host synchronisation."""
+    :func:`hvd_zoadam.core.engine.check_params_unchanged`) has its values copied into its place in
+    ``b.flat`` and becomes its view again. Costs a data pointer per parameter; no host synchronisation."""
     flat = b.flat
     if flat is None:
         return None
@@ -80,7 +81,8 @@ def storage(b: Bucket) -> torch.Tensor | None:
 
 def grads_in_storage(b: Bucket) -> bool:
     """Whether every ``p.grad`` of bucket ``b`` is its view of the bucket's flat gradient
-    storage ``b.grad`` (as :func:`move_grads_to_storage` leaves them). One identity test per parameter."""
+    storage ``b.grad`` (as :func:`move_grads_to_storage` leaves them). One identity test per
+    parameter."""
     return b.grad is not None and all(p.grad is v for p, v in zip(b.params, b.grad_views))
 
 

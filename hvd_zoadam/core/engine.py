@@ -4,9 +4,11 @@ The engine lays the trainable parameters of every param group out in fused bucke
 (:class:`Bucket`, consecutive parameters of one group and dtype, at most
 ``bucket_cap_numel`` elements), each with flat float32 ``exp_avg``, ``exp_avg_sq`` and
 ``anchor`` buffers whose per-parameter views are what ``optimizer.state[p]`` holds, and
-one :class:`~hvd_zoadam.comm.protocol.Exchange` (error buffers, plan) per bucket. It gathers
-gradients into flat buffers and scatters results back, keeps fp32 master weights of
-fp16/bf16 parameters, resolves momentum masks and owns the reusable scratch.
+one :class:`~hvd_zoadam.comm.protocol.Exchange` (error buffers, plan) per bucket. It gives
+each bucket flat storage (:mod:`hvd_zoadam.core.bucket`: the parameters, and their
+gradients, views of one buffer each) and hands x and g out as flat float32 tensors, keeps
+fp32 master weights of fp16/bf16 parameters, resolves momentum masks and owns the reusable
+scratch.
 
 No collectives run here, and no step math: :mod:`hvd_zoadam.comm.protocol` exchanges, the
 algorithms (:mod:`hvd_zoadam.core.algorithms`) compute, and the shell's step driver
@@ -156,10 +158,6 @@ class Engine:
         """(dtype, device) of every laid-out parameter, as it was when its bucket was made."""
         return [k for b in self.buckets for k in b.kinds]
 
-    def check_params_unchanged(self) -> None:
-        """:func:`check_params_unchanged` of this engine."""
-        check_params_unchanged(self)
-
     def layout_items(self) -> dict:
         """The bucket layout for the cross-rank check: names, shapes, dtypes per bucket."""
         items = {}
@@ -226,11 +224,10 @@ class Engine:
         ``gradient_as_bucket_view`` does: with ``zero_grad(set_to_none=False)`` backward then
         accumulates into them and no step copies. float32 gradients are then read where they
         are; others (and a loss scale to take out) go through the engine's scratch."""
-        if not flat_storage.grads_in_storage(b) and not flat_storage.move_grads_to_storage(b):
-            return self.grads_into(b, self.scratch["g"], raw)
-        if b.grad.dtype != torch.float32 or (raw and self.inv_grad_scale is not None):
-            return self.grads_into(b, self.scratch["g"], raw)
-        return b.grad
+        in_storage = flat_storage.grads_in_storage(b) or flat_storage.move_grads_to_storage(b)
+        if in_storage and b.grad.dtype == torch.float32 and not (raw and self.inv_grad_scale is not None):
+            return b.grad
+        return self.grads_into(b, self.scratch["g"], raw)
 
     scatter = staticmethod(flat_storage.scatter)
 

@@ -21,7 +21,14 @@ import warnings
 from hvd_zoadam.comm.protocol import Average, CollectiveNames, exchange_buckets
 from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.core.algorithms import Algorithm, StepContext
-from hvd_zoadam.core.engine import Engine, grads_finite, hold_frozen, refresh_masks, restore_frozen
+from hvd_zoadam.core.engine import (
+    Engine,
+    check_params_unchanged,
+    grads_finite,
+    hold_frozen,
+    refresh_masks,
+    restore_frozen,
+)
 from hvd_zoadam.core.schedule import StepKind
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
@@ -154,7 +161,7 @@ class StepDriver:
             b.exchange.step = announced  # announced in round 1: ranks at different steps fail fast
         how = self.algorithm.gradient_exchange(kind)
         armed = self.algorithm.starts_early(step, kind, self._counters) and self._can_overlap()  # same on every rank
-        self._engine.check_params_unchanged()
+        check_params_unchanged(self._engine)
         no_gradient = self._no_gradient_here()
         self._adopt_loaded_adam()
         if not self._checked_layout:

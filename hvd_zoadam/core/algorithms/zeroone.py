@@ -162,8 +162,8 @@ class ZeroOneAdam:
     def local_update(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
                      x: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None) -> torch.Tensor:
         """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
-        is not finite, algorithm.md §5), in one pass over the bucket on the CPU
-        (:func:`native.local_step`). Returns x, float32[n], for :meth:`Engine.store_x`.
+        is not finite, algorithm.md §5), the check and the pass over the bucket in one call on
+        the CPU (:func:`native.local_step_if_finite`). Returns x, float32[n], for :meth:`Engine.store_x`.
 
         ``x``, ``exp_avg``: where to take the step (float32[n] each), by default the bucket's own
         x (:meth:`Engine.load_x`: the parameters' flat storage itself) and m; :meth:`sync_input`
