@@ -44,6 +44,7 @@ def threads(out):
     build(net)
     out["threads"] = {"in_use": numba.get_num_threads(), "pool": numba.config.NUMBA_NUM_THREADS,
                       "cores": os.cpu_count()}
+    assert 1 <= out["threads"]["in_use"] <= out["threads"]["pool"], out["threads"]
 
 
 def different_init(out):
@@ -93,6 +94,9 @@ def freeze(out):
             all(torch.equal(a, opt.state[p]["exp_avg"]) for a, p in zip(state_before, net[0].parameters()))
         record.append((t, t in frozen_steps, still, opt.schedule.kind(t).value,
                        common.digests_by_rank(hvd, list(net.parameters()))))
+    kinds = {kind for _, frozen, _, kind, _ in record if frozen}
+    assert kinds & {"variance", "compressed"} and kinds & {"local", "sync"}, \
+        f"the frozen steps must span the variance freeze; their kinds: {sorted(kinds)}"
     out["freeze"] = record
 
 
