@@ -472,12 +472,14 @@ class Average:
     """
 
     def __init__(self, transport: Transport, names: CollectiveNames, *, gradient_predivide_factor: float,
-                 fp16_wire: bool, sparse_grad: Callable[[str, torch.Tensor], torch.Tensor]):
+                 fp16_wire: bool, sparse_grad: Callable[[str, torch.Tensor], torch.Tensor],
+                 grad_storage: Callable[[Any], torch.Tensor | None] | None = None):
         self.transport = transport
         self.names = names
         self.gradient_predivide_factor = gradient_predivide_factor
         self.fp16_wire = fp16_wire
         self.sparse_grad = sparse_grad
+        self.grad_storage = grad_storage
 
     def _flat_grads(self, b: Any) -> torch.Tensor:
         """Bucket ``b``'s gradients as one new float32[b.numel] tensor (a missing gradient is
@@ -494,16 +496,19 @@ class Average:
         return flat if flat.dtype == torch.float32 else flat.float()
 
     def start(self, index: int, b: Any, inv_grad_scale: float | None = None, copy: bool = False) -> tuple:
-        """Start the average of bucket ``b``'s gradients (number ``index``), from a copy: ``p.grad``
-        stays as it is until :meth:`finish` (``copy`` is accepted for the hooks' early start,
-        whose gradients may still change; the copy is always made). Returns ``(handle, wire,
-        flat)`` for :meth:`finish`: the collective's handle (None at P = 1 in float32), the
-        tensor on the wire and the float32 buffer."""
+        """Start the average of bucket ``b``'s gradients (number ``index``): in place in the
+        bucket's flat gradient storage, of which every ``p.grad`` is a view (``grad_storage``,
+        as DDP's ``gradient_as_bucket_view``), or else from a copy, which ``copy`` asks for (the
+        hooks' early start, whose gradients may still change before ``step()``). Returns
+        ``(handle, wire, flat)`` for :meth:`finish`: the collective's handle (None at P = 1 in
+        float32), the tensor on the wire and the float32 buffer."""
         f = self.gradient_predivide_factor
         width = 2 if self.fp16_wire else 4
         p_ = self.transport.world_size
         self.transport.counter.add(2 * (p_ - 1) / p_ * width * b.numel)
-        flat = self._flat_grads(b)
+        flat = None if copy or self.grad_storage is None else self.grad_storage(b)
+        if flat is None:
+            flat = self._flat_grads(b)
         if inv_grad_scale is not None:
             flat.mul_(inv_grad_scale)
         if f != 1.0:
@@ -523,6 +528,8 @@ class Average:
             flat.copy_(wire)
         if self.gradient_predivide_factor != 1.0:
             flat.mul_(self.gradient_predivide_factor)
+        if flat is getattr(b, "grad", None):
+            return flat  # averaged in place: every p.grad is a view of it
         grads = []
         for p in b.params:
             if p.grad is None:  # dropped after the hooks started its allreduce

@@ -75,7 +75,8 @@ class StepDriver:
 
     def _new_average(self) -> Average:
         return Average(self.transport, self._collectives, gradient_predivide_factor=self.gradient_predivide_factor,
-                       fp16_wire=self._fp16_wire(), sparse_grad=self._engine.sparse_grad)
+                       fp16_wire=self._fp16_wire(), sparse_grad=self._engine.sparse_grad,
+                       grad_storage=self._engine.grad_storage)
 
     def _fp16_wire(self) -> bool:
         return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
