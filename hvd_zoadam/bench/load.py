@@ -3,6 +3,13 @@ on one of about 100 M parameters, under a real launcher::
 
     horovodrun -np 2 -H localhost:2 --gloo python -m hvd_zoadam.bench load --model many-small
     horovodrun -np 2 -H localhost:2 --gloo python -m hvd_zoadam.bench load --model 100m
+    torchrun --standalone --nproc-per-node 2 -m hvd_zoadam.bench load --model many-small
+
+Under horovodrun it runs the Horovod front end against ``hvd.DistributedOptimizer``; under
+torchrun (``TORCHELASTIC_RUN_ID`` set) the ``torch.distributed`` front end
+(``hvd_zoadam.distributed``, gloo) against what DDP does for AdamW without a backward pass to
+overlap with: its buckets (the same ``--bucket-cap-mb``) each gathered, allreduced and averaged,
+written back into ``p.grad``, then ``AdamW(foreach=True)`` (:class:`BucketedAllreduceAdamW`).
 
 Every rank holds the model with fixed gradients (no forward or backward pass: the optimizer
 step alone is timed). Rank 0 prints one JSON object:
@@ -12,9 +19,9 @@ step alone is timed). Rank 0 prints one JSON object:
 * ``kinds``: per step kind, forced by the schedule as in ``bench step``: the bytes each step
   sends by ``comm_stats()`` against the transport's formulas over the optimizer's buckets
   (:func:`formula_bytes`; ``bytes_match``: equal but for the counter's rounding of fractional
-  allreduce bytes to whole ones, under one byte a step), and the step time against ``hvd.DistributedOptimizer`` over
-  ``torch.optim.AdamW(foreach=True)`` on the same gradients (Horovod's allreduce), the two
-  timed alternately, best of ``--repeats``.
+  allreduce bytes to whole ones, under one byte a step), and the step time (``ms``) against the
+  baseline's (``baseline_ms``, ``vs_baseline``; ``baseline`` names it) on the same gradients,
+  the two timed alternately, best of ``--repeats``.
 """
 from __future__ import annotations
 
@@ -76,15 +83,70 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _warm_up(hvd_zoadam) -> None:
+class BucketedAllreduceAdamW:
+    """DDP's work for ``AdamW(foreach=True)`` where no backward pass hides it: the gradients in
+    buckets of at most ``bucket_cap_mb`` (DDP's default 25), each gathered into one buffer,
+    allreduced (``torch.distributed``, sum) and divided by the world size, written back into
+    ``p.grad``; then the AdamW step. ``step()`` as an optimizer's."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_cap_mb: float):
+        import torch.distributed as dist
+        self.dist = dist
+        self.params = params
+        self.buckets = [[params[i] for i in idx]
+                        for idx in make_buckets([p.numel() for p in params], int(bucket_cap_mb * 2 ** 20 / 4))]
+        self.adamw = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def step(self) -> None:
+        size = self.dist.get_world_size()
+        for bucket in self.buckets:
+            grads = [p.grad for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.dist.all_reduce(flat)
+            flat.div_(size)
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        self.adamw.step()
+
+
+class _Launch:
+    """What differs between the launchers: the ranks, the front end, the baseline."""
+
+    def __init__(self):
+        import os
+        self.torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        if self.torchrun:
+            import torch.distributed as dist
+
+            import hvd_zoadam.distributed as front_end
+            dist.init_process_group("gloo")
+            self.rank, self.size, self.front_end = dist.get_rank(), dist.get_world_size(), front_end
+        else:
+            import horovod.torch as hvd
+
+            import hvd_zoadam as front_end
+            hvd.init()
+            self.rank, self.size, self.front_end, self.hvd = hvd.rank(), hvd.size(), front_end, hvd
+
+    def baseline(self, model: nn.Module, bucket_cap_mb: float):
+        """(name, optimizer) of the baseline over ``model``'s parameters."""
+        if self.torchrun:
+            return "ddp_adamw_foreach", BucketedAllreduceAdamW(list(model.parameters()), bucket_cap_mb)
+        return "horovod_adamw_foreach", self.hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True), named_parameters=model.named_parameters())
+
+    def optimizer(self, model: nn.Module, **knobs: object):
+        return self.front_end.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                                   named_parameters=model.named_parameters(), **knobs)
+
+
+def _warm_up(launch: _Launch) -> None:
     """Every step kind once on a small model, so that what stays after it (compiled kernels,
     the transport's set-up) is not counted as the measured optimizer's memory."""
     for kind in KIND_CONFIGS:
         small = nn.Linear(64, 64)
         for p in small.parameters():
             p.grad = torch.ones_like(p)
-        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(small.parameters()),
-                                              named_parameters=small.named_parameters(), **KIND_CONFIGS[kind])
+        opt = launch.optimizer(small, **KIND_CONFIGS[kind])
         for _ in range(3):
             opt.step()
 
@@ -98,28 +160,23 @@ def _timed(step, iters: int) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     """The report of the module docstring (every rank runs it; rank 0's is the one printed)."""
-    import horovod.torch as hvd
-
-    import hvd_zoadam
-    hvd.init()
+    launch = _Launch()
     torch.set_num_threads(args.threads)
     model = make_model(args.model, args.blocks)
-    gen = torch.Generator().manual_seed(hvd.rank())
+    gen = torch.Generator().manual_seed(launch.rank)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen) * 1e-2
     numels = [p.numel() for p in model.parameters()]
 
     def build(kind: StepKind):
-        return hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                               named_parameters=model.named_parameters(),
-                                               bucket_cap_mb=args.bucket_cap_mb,
-                                               scale_block_numel=args.scale_block_numel or None, **KIND_CONFIGS[kind])
-    out = {"benchmark": "load", "model": args.model, "world_size": hvd.size(), "params": sum(numels),
-           "tensors": len(numels), "threads": args.threads, "kinds": {}}
-    baseline = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True),
-                                        named_parameters=model.named_parameters())
-    baseline.step()  # Horovod's buffers, before the measurement
-    _warm_up(hvd_zoadam)  # the kernels' compilation and the transport's set-up, likewise
+        return launch.optimizer(model, bucket_cap_mb=args.bucket_cap_mb,
+                                scale_block_numel=args.scale_block_numel or None, **KIND_CONFIGS[kind])
+    out = {"benchmark": "load", "model": args.model, "launcher": "torchrun" if launch.torchrun else "horovodrun",
+           "world_size": launch.size, "params": sum(numels), "tensors": len(numels), "threads": args.threads,
+           "kinds": {}}
+    out["baseline"], baseline = launch.baseline(model, args.bucket_cap_mb)
+    baseline.step()  # the baseline's buffers, before the measurement
+    _warm_up(launch)  # the kernels' compilation and the transport's set-up, likewise
     before = _rss()
     opt = build(StepKind.SYNC)
     for _ in range(3):
@@ -127,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
     grown, held = _rss() - before, opt.memory_bytes()
     out["memory"] = {"rss_growth_bytes": grown, "memory_bytes": held, "growth_vs_memory_bytes": grown / held["total"]}
     del opt
-    formula = formula_bytes(numels, hvd.size(), bucket_cap_mb=args.bucket_cap_mb,
+    formula = formula_bytes(numels, launch.size, bucket_cap_mb=args.bucket_cap_mb,
                             scale_block_numel=args.scale_block_numel or None)
     out["buckets"] = formula["buckets"]
     for kind in KIND_CONFIGS:
@@ -140,16 +197,17 @@ def run(args: argparse.Namespace) -> dict:
         stats = opt.comm_stats()[kind.value]
         per_step = (stats["bytes_sent"] - sent) / max(1, stats["steps"] - steps)
         base, t = min(b for b, _ in pairs), min(k for _, k in pairs)
-        out["kinds"][kind.value] = {"ms": t * 1e3, "horovod_adamw_foreach_ms": base * 1e3, "vs_horovod": t / base,
+        out["kinds"][kind.value] = {"ms": t * 1e3, "baseline_ms": base * 1e3, "vs_baseline": t / base,
                                     "bytes_per_step": per_step, "formula_bytes": formula[kind],
                                     "bytes_match": abs(per_step - formula[kind]) < 1}  # the counter's rounding
         del opt
-    return out if hvd.rank() == 0 else None
+    return out if launch.rank == 0 else None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     lo = sub.add_parser("load", help="many small tensors, or 100 M parameters: bytes against the formulas, step "
-                                     "time against Horovod's AdamW, memory_bytes() against RSS (under horovodrun)")
+                                     "time against Horovod's or DDP's AdamW, memory_bytes() against RSS (under "
+                                     "horovodrun or torchrun)")
     lo.add_argument("--model", choices=["many-small", "100m"], default="many-small")
     lo.add_argument("--blocks", type=int, default=600, help="many-small: blocks of six tensors")
     lo.add_argument("--bucket-cap-mb", type=float, default=25.0)
