@@ -31,8 +31,9 @@ import torch
 from . import cpu, reference
 
 __all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite",
-           "all_finite_many", "clamp_finite_", "precondition_clamp_", "clamp_by", "local_step", "local_step_if_finite",
-           "local_window_update", "local_step_fused",
+           "all_finite_many", "on_cpu_path", "finite_flag", "all_true", "read_flags", "clamp_finite_",
+           "precondition_clamp_", "clamp_by", "local_step", "local_step_if_finite", "local_window_update",
+           "local_step_fused",
            "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress",
            "server_reduce", "decompress", "decompress_momentum", "decompress_sync", "reference"]
 
@@ -297,6 +298,37 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def on_cpu_path(*tensors: torch.Tensor) -> bool:
+    """Whether the CPU kernels take these tensors (all on the CPU and contiguous, and not sent to
+    the CUDA kernels under :func:`use_cuda_kernels_on_cpu`): where a value is read on the host
+    at no cost, and :func:`local_step_if_finite` checks the gradient inside its kernel call."""
+    return _cpu_kernels(*tensors)
+
+
+def finite_flag(t: torch.Tensor) -> bool | torch.Tensor:
+    """Whether every element of ``t`` is finite: a bool where the CPU kernels take ``t`` (one
+    read-only pass, :func:`all_finite`), else a 0-dim bool tensor on ``t``'s device, not read,
+    for :func:`all_true` to read with others in one host synchronisation."""
+    return all_finite(t) if _cpu_kernels(t) or not t.numel() else torch.isfinite(t).all()
+
+
+def all_true(flags: Iterable[bool | torch.Tensor]) -> bool:
+    """Whether every flag of :func:`finite_flag` is True: the bools first, then every tensor
+    flag read at once (one host synchronisation, none when the bools decide)."""
+    flags = list(flags)
+    if not all(f for f in flags if isinstance(f, bool)):
+        return False
+    rest = [f for f in flags if not isinstance(f, bool)]
+    return bool(torch.stack([f.to(rest[0].device) for f in rest]).all()) if rest else True
+
+
+def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
+    """:func:`finite_flag`'s flags as bools, every tensor flag read at once."""
+    rest = [f for f in flags if not isinstance(f, bool)]
+    values = iter(torch.stack([f.to(rest[0].device) for f in rest]).tolist() if rest else [])
+    return [f if isinstance(f, bool) else next(values) for f in flags]
+
+
 def all_finite_many(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite: :func:`all_finite` per CPU tensor
     (stopping at the first non-finite one), one host synchronisation in all for the rest."""
@@ -304,8 +336,7 @@ def all_finite_many(tensors: Iterable[torch.Tensor]) -> bool:
     on_cpu = [t for t in tensors if _cpu_kernels(t)]
     if not all(all_finite(t) for t in on_cpu):
         return False
-    rest = [torch.isfinite(t).all() for t in tensors if not _cpu_kernels(t) and t.numel()]
-    return bool(torch.stack(rest).all()) if rest else True
+    return all_true(finite_flag(t) for t in tensors if not _cpu_kernels(t))
 
 
 def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:
@@ -417,12 +448,14 @@ def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, d
 
 
 def local_step_if_finite(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, *,
-                         mask: torch.Tensor | None = None, **step: float | None) -> bool:
+                         mask: torch.Tensor | None = None, finite: bool | None = None, **step: float | None) -> bool:
     """:func:`local_step` where every element of ``grad`` is finite (:func:`all_finite`), else
     nothing. Returns whether it took the step. On the CPU one call of the kernels for the check
-    and the step (:func:`cpu.local_step_if_finite`); elsewhere the check, then the step."""
+    and the step (:func:`cpu.local_step_if_finite`); elsewhere the check, then the step, or
+    ``finite`` where the caller read it already (off the CPU path every bucket's at once,
+    :func:`read_flags`)."""
     if not _fusable((grad, param, exp_avg, denom), mask, step):
-        if not all_finite(grad):
+        if not (all_finite(grad) if finite is None else finite):
             return False
         reference.local_step(grad, param, exp_avg, denom, mask=mask, **step)
         return True
@@ -436,10 +469,12 @@ def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.
                         mask: torch.Tensor | None = None, **step: float | None) -> bool:
     """SYNC steps 1–3 on one tensor, bitwise :func:`reference.local_window_update` (same
     arguments and result): on the CPU one pass that writes only ``out``, and counts the
-    non-finite gradients on the way. Returns whether ``grad`` is all finite."""
+    non-finite gradients on the way. Returns whether ``grad`` is all finite. Off the CPU (CUDA,
+    the simulator) nothing is read on the host: where ``grad`` is not finite ``out`` is
+    already the skipped step's (``select``), and it returns True."""
     if not _fusable((grad, param, exp_avg, denom, anchor, out), mask, step):
-        return reference.local_window_update(grad, param, exp_avg, denom, anchor, out,
-                                             decay_product=decay_product, mask=mask, **step)
+        return reference.local_window_update(grad, param, exp_avg, denom, anchor, out, decay_product=decay_product,
+                                             mask=mask, select=not _cpu_kernels(grad), **step)
     bad = cpu.local_window_update(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],
                                   *_flat(anchor, out), *_scalars(**step), np.float32(decay_product))
     return bad == 0

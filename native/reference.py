@@ -210,13 +210,19 @@ def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, d
 
 def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
                         anchor: torch.Tensor, out: torch.Tensor, decay_product: float = 1.0,
-                        **step: float | None) -> bool:
+                        select: bool = False, **step: float | None) -> bool:
     """SYNC steps 1–3 (algorithm.md §2) with x and m left as they are: x' from
     :func:`local_step` (its keyword arguments ``step``) on copies, then the window's update in
     parameter units, ``out = anchor·decay_product − x'`` (``anchor − x'`` when decay_product is
     1). ``anchor``, ``out``: float32[n]. Returns whether every element of ``grad`` is finite
-    (``out`` is then of no use: the caller takes the step that skips)."""
+    (``out`` is then of no use: the caller takes the step that skips). With ``select`` nothing
+    is read on the host: where ``grad`` is not finite, x' is ``param`` itself, chosen on the
+    device (the skipped step's ``out``, bitwise :func:`hvd_zoadam.core.step_math.sync_prepare`'s),
+    and True is returned."""
     x, m = param.clone(), exp_avg.clone()
     local_step(grad, x, m, denom, **step)
+    finite = torch.isfinite(grad).all()
+    if select:
+        torch.where(finite, x, param, out=x)
     torch.sub(anchor * decay_product if decay_product != 1.0 else anchor, x, out=out)
-    return bool(torch.isfinite(grad).all())
+    return True if select else bool(finite)

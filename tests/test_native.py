@@ -494,6 +494,27 @@ def test_local_window_update_is_bitwise_the_torch_ops_and_finds_non_finite_gradi
         assert _same_bits(*outs)
 
 
+@settings(max_examples=20, deadline=None)
+@given(**LOCAL_CASES, decay_product=st.sampled_from([1.0, 0.9993]), bad=st.sampled_from([None, "nan", "inf"]))
+def test_local_window_update_selects_on_the_device_what_the_host_would_choose(n, seed, mask, decay_product,
+                                                                            bad, **step):
+    """The CUDA path's local_window_update (``select``: no host read) gives the u of the step
+    taken where g is finite and, where it is not, the u of x as it is (the skipped step's,
+    step_math.sync_prepare's), bit for bit, and says True either way."""
+    from hvd_zoadam.core import step_math
+    g, x, m, s, a, mk = _local_case(n, seed, mask)
+    if bad and n:
+        g[n // 2] = float(bad)
+    taken, selected = torch.full((n,), 7.0), torch.full((n,), 7.0)
+    finite = reference.local_window_update(g, x.clone(), m.clone(), s, a, taken, decay_product=decay_product,
+                                           mask=mk, **step)
+    if not finite:
+        step_math.sync_prepare(x, a, s, decay_product, taken, True)
+    assert reference.local_window_update(g, x.clone(), m.clone(), s, a, selected, decay_product=decay_product,
+                                         mask=mk, select=True, **step) is True
+    assert _same_bits(taken, selected)
+
+
 @pytest.mark.parametrize("decay", [1.0, 0.9999876])
 def test_sync_prepare_and_rebuild_are_bitwise_the_torch_path(decay):
     """native.sync_prepare / sync_rebuild (one pass each) against step_math.sync_prepare, then

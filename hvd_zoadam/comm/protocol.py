@@ -322,10 +322,10 @@ class Exchange:
         self.commit()
         return result
 
-    def finish(self, y: torch.Tensor, token: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    def finish(self, y: torch.Tensor, token: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
                out: torch.Tensor) -> torch.Tensor:
         """C(y) into ``out`` (float32[numel]) from :meth:`prepare`'s token. ``y`` is read only at
-        P = 1 (C(y) = y); at P > 1 :meth:`prepare` consumed it."""
+        P = 1 (C(y) = y, the token unused); at P > 1 :meth:`prepare` consumed it."""
         if self.transport.world_size == 1:
             return out.copy_(y[:self.numel])
         return native.decompress(*token, self.plan, out)
@@ -550,27 +550,30 @@ class Average:
 
 
 def _exchange_alone(buckets: list, g: torch.Tensor, w: torch.Tensor, fill, consume) -> bool:
-    """:func:`exchange_buckets` at P = 1: C(y) = y, skipped when some input is not finite."""
+    """:func:`exchange_buckets` at P = 1: C(y) = y, skipped when some input is not finite; every
+    bucket's finiteness read at once (:func:`native.finite_flag`: one host synchronisation on a
+    GPU, a read-only pass per bucket on the CPU that stops at the first bucket that is not)."""
     if len(buckets) == 1:  # fill once, hand y itself over
         b = buckets[0]
         buf = g[:b.exchange.padded_numel]
         fill(b, buf)
-        if b.exchange.prepare(buf) is None:
+        if not native.all_true([native.finite_flag(buf[:b.numel])]):
             return False
         consume(b, buf[:b.numel])
         return True
-    prepared = []
+    flags = []
     for b in buckets:
         buf = g[:b.exchange.padded_numel]
         fill(b, buf)
-        scales = b.exchange.prepare(buf)
-        if scales is None:
+        flags.append(native.finite_flag(buf[:b.numel]))
+        if flags[-1] is False:
             return False
-        prepared.append(scales)
-    for b, scales in zip(buckets, prepared):
+    if not native.all_true(flags):
+        return False
+    for b in buckets:
         buf = g[:b.exchange.padded_numel]
         fill(b, buf)
-        consume(b, b.exchange.finish(buf, scales, w[:b.numel]))
+        consume(b, b.exchange.finish(buf, None, w[:b.numel]))
     return True
 
 

@@ -379,12 +379,24 @@ def check_params_unchanged(engine: Engine) -> None:
 def grads_finite(engine: Engine) -> bool:
     """Whether every gradient of every bucket is finite (the agreed skip at P = 1, where
     nothing is exchanged), each bucket read flat (:meth:`Engine.grads`): one read-only pass per
-    bucket on the CPU (:func:`native.all_finite`), one host synchronisation in all on a GPU.
-    Bucket by bucket, as the engine's scratch is shared."""
-    if engine.device is None or engine.device.type == "cpu":
-        return all(native.all_finite(engine.grads(b)) for b in engine.buckets)
-    flags = [torch.isfinite(engine.grads(b)).all() for b in engine.buckets]
-    return bool(torch.stack(flags).all()) if flags else True
+    bucket on the CPU (:func:`native.all_finite`, stopping at the first bucket that is not),
+    one host synchronisation in all on a GPU. Bucket by bucket, as the engine's scratch is
+    shared."""
+    flags = []
+    for b in engine.buckets:
+        flags.append(native.finite_flag(engine.grads(b)))
+        if flags[-1] is False:
+            return False
+    return native.all_true(flags)
+
+
+def grads_finite_each(engine: Engine) -> list[bool] | None:
+    """Whether each bucket's gradients are all finite, every bucket's read in one host
+    synchronisation, where the local update cannot check them inside its kernel call (CUDA
+    tensors, the simulator); None where it can (:func:`native.on_cpu_path`: nothing read here)."""
+    if not engine.buckets or native.on_cpu_path(engine.buckets[0].exp_avg):
+        return None
+    return native.read_flags([native.finite_flag(engine.grads(b)) for b in engine.buckets])
 
 
 def refresh_masks(engine: Engine) -> None:

@@ -21,6 +21,7 @@ import torch
 from hvd_zoadam import native
 from hvd_zoadam.core import step_math
 from hvd_zoadam.core.algorithms import StepContext
+from hvd_zoadam.core.engine import grads_finite_each
 from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
 
 if TYPE_CHECKING:
@@ -160,25 +161,32 @@ class ZeroOneAdam:
         return {**step_math.local_step_scalars(h), "bound_factor": bound}
 
     def local_update(self, engine: Engine, b: Bucket, h: step_math.Hyper, denom: torch.Tensor,
-                     x: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None) -> torch.Tensor:
+                     x: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None,
+                     finite: bool | None = None) -> torch.Tensor:
         """LOCAL steps 1–2 on bucket ``b`` with the local g (skipped on this rank alone when g
         is not finite, algorithm.md §5), the check and the pass over the bucket in one call on
         the CPU (:func:`native.local_step_if_finite`). Returns x, float32[n], for :meth:`Engine.store_x`.
 
         ``x``, ``exp_avg``: where to take the step (float32[n] each), by default the bucket's own
         x (:meth:`Engine.load_x`: the parameters' flat storage itself) and m; :meth:`sync_input`
-        passes copies."""
+        passes copies. ``finite``: whether g is finite, where the caller read it already
+        (:func:`~hvd_zoadam.core.engine.grads_finite_each`)."""
         g = engine.grads(b)
         x = engine.load_x(b) if x is None else x
         exp_avg = b.exp_avg if exp_avg is None else exp_avg
-        native.local_step_if_finite(g, x, exp_avg, denom, mask=engine.mask_of(b), **self.local_scalars(engine, h))
+        native.local_step_if_finite(g, x, exp_avg, denom, mask=engine.mask_of(b), finite=finite,
+                                    **self.local_scalars(engine, h))
         return x
 
     def local_step(self, ctx: StepContext, k: int) -> None:
+        """LOCAL on every bucket; off the CPU path every bucket's finiteness is read first, in
+        one host synchronisation (not one per bucket)."""
         engine = ctx.engine
-        for b in engine.buckets:
+        finite = grads_finite_each(engine)
+        for i, b in enumerate(engine.buckets):
             h = engine.hyper(b, ctx.step, k)
-            engine.store_x(b, self.local_update(engine, b, h, engine.denom(b, h)))
+            engine.store_x(b, self.local_update(engine, b, h, engine.denom(b, h),
+                                                finite=None if finite is None else finite[i]))
         advance_window(engine.param_groups)
 
     def sync_step(self, ctx: StepContext, k: int) -> None:
