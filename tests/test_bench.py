@@ -210,7 +210,9 @@ def test_bench_step_reports_each_kind_against_adamw():
         assert sum(parts[k] for k in ("optimizer", "kernels", "packing", "wire")) <= parts["wall"] * 1.0001
         assert parts["wire"] == 0.0  # P = 1: nothing is sent
     assert rep["kinds"]["sync"]["breakdown_ms"]["kernels"] > 0  # sync_prepare / sync_rebuild run
-    assert rep["adamw_foreach_ms"] > 0 and isinstance(rep["met"], bool)
+    assert rep["adamw_foreach_ms"] > 0 and rep["adamw_fused_ms"] > 0 and isinstance(rep["met"], bool)
+    for r in rep["kinds"].values():
+        assert r["vs_adamw_fused"] == pytest.approx(r["ms"] / r["adamw_fused_ms"])
 
 
 def test_bench_step_runs_without_horovod_as_on_a_bare_gpu_machine():

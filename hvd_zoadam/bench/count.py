@@ -1,6 +1,6 @@
 """``python -m hvd_zoadam.bench step --count``: what one optimizer step launches, per step kind.
 
-    python -m hvd_zoadam.bench step --count --path cpu|cuda-sim --world-size P --json OUT
+    python -m hvd_zoadam.bench step --count --path cpu|cuda-sim|cuda --world-size P --json OUT
 
 For each step kind, one step of rank 0 (of P thread ranks in this process) is counted after
 four steps of warm-up (step 5, of that kind): the numba kernel launches (counted where Python calls a kernel: a CPU
@@ -13,7 +13,9 @@ allocations (tensors an op returns in new storage) and the bytes moved per param
 non-view op's tensor inputs and outputs, and each kernel launch's array arguments, counted
 once each, over the number of parameters). ``--path cuda-sim`` runs the optimizer's CUDA path
 on CPU tensors under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``; the command sets it
-and runs itself again when it is not set).
+and runs itself again when it is not set); ``--path cuda`` on a GPU, where the host
+synchronisations torch itself reports (``torch.cuda.set_sync_debug_mode``) are counted too,
+as ``cuda_syncs``.
 
 The model is the layout of ``bench step``'s GPT on the GPU (8 layers of width 1024, 102 tensors,
 24 buckets at the default ``bucket_cap_mb``) with every tensor and the bucket cap 1024 times
@@ -55,7 +57,7 @@ class Counter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.torch_ops = self.host_syncs = self.allocations = 0
+        self.torch_ops = self.host_syncs = self.allocations = self.cuda_syncs = 0
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -178,25 +180,26 @@ def scaled_model(divisor: int) -> tuple[torch.nn.Module, float]:
 
 def count(path: str, world_size: int, divisor: int = DIVISOR, kinds: tuple = tuple(KIND_CONFIGS)) -> dict:
     """The counts of one step of each of ``kinds`` (default all four), rank 0 of ``world_size``
-    thread ranks (see the module docstring). ``path``: ``"cpu"`` or ``"cuda-sim"`` (the CUDA
-    simulator must be on)."""
+    thread ranks (see the module docstring). ``path``: ``"cpu"``, ``"cuda-sim"`` (the CUDA
+    simulator must be on) or ``"cuda"`` (a GPU)."""
     import hvd_zoadam
     from hvd_zoadam import native
     from hvd_zoadam.comm.thread import ThreadGroup
     if path == "cuda-sim":
         native.use_cuda_kernels_on_cpu()
+    device = torch.device("cuda" if path == "cuda" else "cpu")
     cap = scaled_model(divisor)[1]
     report = {"path": path, "world_size": world_size, "divisor": divisor, "bucket_cap_mb": cap, "kinds": {}}
 
     def body(rank: int, transport: Transport, knobs: dict, out: dict):
-        model = scaled_model(divisor)[0]
+        model = scaled_model(divisor)[0].to(device)
         gen = torch.Generator().manual_seed(1 + rank)
         opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
                                               named_parameters=model.named_parameters(), transport=transport,
                                               bucket_cap_mb=cap, overlap=False, **knobs)
         for t in range(5):
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device)
             if t < 4 or rank != 0:  # the counting patches are global: one rank counts
                 opt.step()
                 continue
@@ -204,13 +207,13 @@ def count(path: str, world_size: int, divisor: int = DIVISOR, kinds: tuple = tup
             for name in ("start", "allgather_flag", "allgather_object"):
                 _count_calls(transport, name, calls)
             mode, launches = Counter(), Launches(threading.current_thread())
-            with launches, mode, _counting_tolist(mode):
+            with launches, mode, _counting_tolist(mode), _counting_cuda_syncs(mode, device):
                 opt.step()
             out.update(buckets=len(opt._engine.buckets), params=sum(p.numel() for p in model.parameters()),
                        kind=opt.schedule.kind(5, lr=1e-3, freeze_lr=1e-3).value,
                        numba_launches=launches.launches, torch_ops=mode.torch_ops,
                        collectives=calls["collectives"], host_syncs=mode.host_syncs,
-                       allocations=mode.allocations, bytes=mode.bytes + launches.bytes)
+                       allocations=mode.allocations, bytes=mode.bytes + launches.bytes, cuda_syncs=mode.cuda_syncs)
 
     for kind in kinds:
         knobs, out = KIND_CONFIGS[kind], {}
@@ -227,24 +230,53 @@ def count(path: str, world_size: int, divisor: int = DIVISOR, kinds: tuple = tup
         report["kinds"][kind] = {k: out[k] for k in ("numba_launches", "torch_ops", "collectives", "host_syncs",
                                                      "allocations")}
         report["kinds"][kind]["bytes_per_param"] = round(out["bytes"] / out["params"], 1)
-    report["adamw_foreach"] = _adamw_counts(divisor)
+        if path == "cuda":
+            report["kinds"][kind]["cuda_syncs"] = out["cuda_syncs"]
+    report["adamw_foreach"] = _adamw_counts(divisor, device)
     return report
 
 
-def _adamw_counts(divisor: int) -> dict:
+def _adamw_counts(divisor: int, device: torch.device) -> dict:
     """The same counts for ``torch.optim.AdamW(foreach=True)``'s step on the same model."""
-    model = scaled_model(divisor)[0]
+    model = scaled_model(divisor)[0].to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     for _ in range(3):
         opt.step()
     mode = Counter()
-    with mode:
+    with mode, _counting_cuda_syncs(mode, device):
         opt.step()
     n = sum(p.numel() for p in model.parameters())
-    return {"numba_launches": 0, "torch_ops": mode.torch_ops, "collectives": 0, "host_syncs": mode.host_syncs,
-            "allocations": mode.allocations, "bytes_per_param": round(mode.bytes / n, 1)}
+    out = {"numba_launches": 0, "torch_ops": mode.torch_ops, "collectives": 0, "host_syncs": mode.host_syncs,
+           "allocations": mode.allocations, "bytes_per_param": round(mode.bytes / n, 1)}
+    return {**out, "cuda_syncs": mode.cuda_syncs} if device.type == "cuda" else out
+
+
+@contextlib.contextmanager
+def _counting_cuda_syncs(mode: Counter, device: torch.device):
+    """On a GPU, the synchronisations ``torch.cuda.set_sync_debug_mode("warn")`` reports on
+    ``mode``'s thread counted as its ``cuda_syncs`` (the debug mode is the process's: other
+    threads' reports are dropped, uncounted); elsewhere nothing."""
+    if device.type != "cuda":
+        yield
+        return
+    import warnings
+    thread = threading.current_thread()
+
+    def show(message, category, *args: object, **kwargs: object):
+        if "synchroniz" not in str(message).lower():
+            return original(message, category, *args, **kwargs)
+        if threading.current_thread() is thread:
+            mode.cuda_syncs += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        original, warnings.showwarning = warnings.showwarning, show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 @contextlib.contextmanager
@@ -284,4 +316,7 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"bench step --count under the CUDA simulator failed:\n{proc.stderr[-3000:]}")
         import json
         return {k: v for k, v in json.loads(proc.stdout).items() if k != "provenance"}
+    if args.path == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench step --count --path cuda: torch sees no CUDA device here (--path cuda-sim runs "
+                         "the CUDA path under numba's simulator)")
     return count(args.path, args.world_size)
