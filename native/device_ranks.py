@@ -80,7 +80,7 @@ def launched(launcher: str, device: str):
         import hvd_zoadam.mpi as zm
         from hvd_zoadam.comm.mpi import mpi_cuda_aware
         comm = MPI.COMM_WORLD
-        extra = {"mpi_cuda_aware": mpi_cuda_aware(), "mpi": MPI.Get_library_version().splitlines()[0]}
+        extra = {"mpi_cuda_aware": mpi_cuda_aware(), "mpi": MPI.Get_library_version().split("\x00")[0].splitlines()[0]}
         return (comm.Get_rank(), comm.Get_size(), lambda m: zm.DistributedOptimizer(
             torch.optim.AdamW(m.parameters(), lr=1e-2), m.named_parameters(), **KNOBS), comm.Barrier, extra)
     import torch.distributed as dist
