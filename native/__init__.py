@@ -21,7 +21,6 @@ argument           dtype, shape            meaning
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Iterable
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from . import cpu, reference
+from .host import numpy_view as _np
 
 __all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite",
            "all_finite_many", "on_cpu_path", "finite_flag", "all_true", "read_flags", "clamp_finite_",
@@ -116,28 +116,10 @@ class Plan:
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    """``t.numpy()`` of a CPU tensor that needs no gradient, prepared once per tensor object:
-    the buckets' buffers and scratch live for the whole run, and torch's conversion dispatches
-    an op at each call. The array kept on the tensor (for contiguous ones) is a view of its
-    memory that holds no reference back to it (no cycle to keep a temporary alive), so it lives
-    and dies with the tensor; it is made again when the tensor's memory or shape changed."""
-    cached = t.__dict__.get("_hvd_zoadam_numpy")
-    if cached is not None and cached[0] == t.data_ptr() and cached[1].shape == t.shape:
-        return cached[1]
-    a = t.numpy()
-    if not (t.is_contiguous() and a.size):
-        return a
-    memory = (ctypes.c_byte * a.nbytes).from_address(t.data_ptr())
-    view = np.frombuffer(memory, dtype=a.dtype).reshape(a.shape)
-    t.__dict__["_hvd_zoadam_numpy"] = (t.data_ptr(), view)
-    return view
-
-
 def _host_input(y: torch.Tensor) -> np.ndarray:
     """numpy view of ``y`` for the CPU kernels: float32, or the bits of fp16/bf16 (cpu.load)."""
     if y.dtype == torch.float32:
-        return y.numpy()
+        return _np(y)
     if y.dtype == torch.float16:
         return y.view(torch.uint16).numpy()
     if y.dtype == torch.bfloat16:
@@ -251,8 +233,8 @@ def server_reduce(recv: torch.Tensor, all_worker_scales: torch.Tensor, server_er
         if eo is not server_error:  # the CUDA kernels work in place
             eo.copy_(server_error)
         return _cuda.server_reduce(recv, all_worker_scales, eo, plan, packed, scales)
-    if eo is not server_error:  # the chunk's padding is not written: keep it as server_error's
-        real = max(0, min(plan.chunk_numel, plan.numel - plan.chunk_start))
+    real = max(0, min(plan.chunk_numel, plan.numel - plan.chunk_start))
+    if eo is not server_error and real < plan.chunk_numel:  # the chunk's padding is not written: keep it
         eo[real:].copy_(server_error[real:])
     cpu.server_reduce(_np(recv), _np(all_worker_scales), _np(server_error), _np(eo), plan.server_tasks,
                       plan.chunk_start, plan.chunk_start + plan.chunk_numel, plan.server_partial, plan.offsets,

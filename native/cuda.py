@@ -41,6 +41,7 @@ from numba import config as _config
 from numba import cuda, float32, float64, int64, uint8
 
 from .cpu import BLOCK, _half_to_f32
+from .host import numpy_view
 
 TPB = 256
 # The sign bits of one segment of at most BLOCK elements, and 16 more for a byte either side. A
@@ -502,17 +503,46 @@ def _entry(fn):
 
 
 def _arr(t: torch.Tensor):
-    """A kernel argument viewing ``t``: zero-copy device array, or a numpy view in the simulator."""
+    """A kernel argument viewing ``t``: zero-copy device array, or a numpy view in the simulator.
+
+    Made once per tensor object and kept on it while its memory, shape and strides stay (the
+    buckets' buffers, the exchanges' scratch: numba's own conversion costs tens of microseconds
+    an argument, :func:`_device_array`); a view made for one call is converted at each call."""
     if t.dtype in (torch.float16, torch.bfloat16):
         t = t.view(torch.int16)
     elif t.dtype == torch.bool:
         t = t.view(torch.uint8)
+    if t.requires_grad:
+        t = t.detach()
     if SIMULATOR:
-        return t.detach().numpy()
-    # sync=False: should torch's array interface name a stream (version 3; torch 2.13 gives
-    # version 2, without one), numba would synchronize it with the host on every argument. The
-    # kernels run on torch's current stream, whose order suffices.
-    return cuda.as_cuda_array(t.detach(), sync=False)
+        return numpy_view(t)
+    key = (t.data_ptr(), tuple(t.shape), t.stride(), t.device.index)
+    cached = t.__dict__.get("_hvd_zoadam_cuda")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    arr = _device_array(t)
+    t.__dict__["_hvd_zoadam_cuda"] = (key, arr)
+    return arr
+
+
+def _device_array(t: torch.Tensor):
+    """A numba device array over ``t``'s memory that holds no reference to ``t`` (kept on ``t``,
+    it lives and dies with it, no cycle to keep GPU memory alive until a garbage collection;
+    every caller holds ``t`` while its kernel runs). sync=False: should torch's array interface
+    name a stream (version 3; torch 2.13 gives version 2, without one), numba would synchronize
+    it with the host on every argument. The kernels run on torch's current stream, whose order
+    suffices."""
+    return cuda.from_cuda_array_interface(t.__cuda_array_interface__, owner=None, sync=False)
+
+
+_EMPTY = {}  # (device index, dtype) -> an empty tensor, for a kernel's unused array arguments
+
+
+def _empty(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    key = (device.type, device.index, dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
 
 
 def _kind(y: torch.Tensor) -> str:
@@ -522,14 +552,21 @@ def _kind(y: torch.Tensor) -> str:
         raise TypeError(f"y must be float32, float16 or bfloat16, got {y.dtype}") from None
 
 
+_STREAMS = {}  # (device index, torch's stream handle) -> numba's stream object
+
+
 def _stream(t: torch.Tensor):
-    """torch's current stream on ``t``'s device as a numba stream (0 in the simulator)."""
+    """torch's current stream on ``t``'s device as a numba stream (0 in the simulator), made once
+    per device and stream (numba's launch configuration is cached per stream object)."""
     if SIMULATOR or t.device.type != "cuda":
         return 0
     handle = torch.cuda.current_stream(t.device).cuda_stream
-    if handle == 0:  # torch's default stream is the legacy one, even where numba's 0 is per-thread
-        return cuda.legacy_default_stream()
-    return cuda.external_stream(handle)
+    key = (t.device.index, handle)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        # torch's default stream is the legacy one, even where numba's 0 is per-thread
+        stream = _STREAMS[key] = cuda.legacy_default_stream() if handle == 0 else cuda.external_stream(handle)
+    return stream
 
 
 def _grid(n: int) -> int:
@@ -643,7 +680,7 @@ def server_reduce(recv, all_worker_scales, server_error, plan, packed, scales):
                                             d["server_tasks"], d["server_groups"], sc, pk, d["server_part_val"])
         real = min(plan.numel, plan.chunk_start + plan.chunk_numel) - plan.chunk_start
         merge = _kernels("f32")[3]
-        merge[_grid(ngroups), TPB, stream](_arr(torch.empty(0, device=server_error.device)), se, d["server_bounds"],
+        merge[_grid(ngroups), TPB, stream](_arr(_empty(server_error.device)), se, d["server_bounds"],
                                            real, d["server_part_val"], pk)
         _zero_scales_outside[_grid(plan.nseg), TPB, stream](d["offsets"], plan.chunk_start,
                                                             plan.chunk_start + plan.chunk_numel, sc)
@@ -678,9 +715,9 @@ def _unpack(packed, sscales, plan, mode, like, out=None, exp_avg=None, weight=0.
         return
     stream = _stream(like)
     d = _plan_arrays(plan, like)
-    dummy = _arr(torch.empty(0, device=like.device))
+    dummy = _arr(_empty(like.device))
     arr = lambda t: dummy if t is None else _arr(t)  # noqa: E731
-    no_mask = _arr(torch.empty(0, dtype=torch.uint8, device=like.device))
+    no_mask = _arr(_empty(like.device, torch.uint8))
     _decompress[_grid(plan.numel), TPB, stream](
         _arr(packed), _arr(sscales), d["offsets"], plan.chunk_numel, arr(out), mode, arr(exp_avg), float(weight),
         arr(anchor), arr(param), arr(denom), no_mask if mask is None else _arr(mask), float(factor),

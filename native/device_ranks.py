@@ -20,8 +20,13 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hvd_zoadam.comm.transport import Transport
 
 KNOBS = dict(var_freeze_step=8, var_update_scaler=2, local_step_policy="steps", local_step_scaler=2,
              local_step_clipper=4, bucket_cap_mb=0.01)
@@ -32,7 +37,8 @@ def model(device: str) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
 
 
-def train(build, rank: int, steps: int, device: str) -> tuple[list[torch.Tensor], list[str]]:
+def train(build: Callable[[torch.nn.Module], torch.optim.Optimizer], rank: int, steps: int,
+          device: str) -> tuple[list[torch.Tensor], list[str]]:
     """``steps`` steps on rank ``rank``'s data with the optimizer ``build(model)`` returns.
     Returns the parameters (on the CPU) and the kinds of the steps taken."""
     m = model(device)
@@ -54,7 +60,7 @@ def as_threads(world_size: int, steps: int, device: str) -> list[torch.Tensor]:
     from hvd_zoadam.comm.thread import ThreadGroup
     results, errors = {}, []
 
-    def rank_body(rank, transport):
+    def rank_body(rank: int, transport: Transport):
         try:
             results[rank] = train(lambda m: zd.DistributedOptimizer(
                 torch.optim.AdamW(m.parameters(), lr=1e-2), m.named_parameters(), transport=transport, **KNOBS),

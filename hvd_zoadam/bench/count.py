@@ -264,7 +264,7 @@ def _counting_cuda_syncs(mode: Counter, device: torch.device):
     import warnings
     thread = threading.current_thread()
 
-    def show(message, category, *args: object, **kwargs: object):
+    def show(message: Warning | str, category: type, *args: object, **kwargs: object):
         if "synchroniz" not in str(message).lower():
             return original(message, category, *args, **kwargs)
         if threading.current_thread() is thread:

@@ -157,34 +157,58 @@ def exchange_bytes(numels: Iterable[int], world_size: int) -> int:
 
 
 class _Landing:
-    """The buffers an :class:`Exchange` reads its two rounds' messages into (P ranks, ``s`` scale
-    slots per chunk, ``count`` of them this rank's, ``nbytes`` bytes of signs per chunk), so
-    that a step allocates nothing for them, and the skip flag's own scratch."""
+    """Where an :class:`Exchange` reads its two rounds' messages (P ranks, ``s`` scale slots per
+    chunk, ``count`` of them this rank's, ``nbytes`` bytes of signs per chunk, messages of
+    ``m1`` and ``m3`` bytes), so that a step allocates nothing for them: each round's
+    messages copied whole into a buffer kept here, read through views made once, and the skip
+    flag's own scratch."""
 
-    def __init__(self, p: int, s: int, count: int, nseg: int, nbytes: int, device: torch.device):
+    def __init__(self, p: int, s: int, count: int, nseg: int, nbytes: int, m1: int, m3: int, device: torch.device):
         def u8(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.uint8, device=device)
-        self.steps, self.scales, self.packed = u8(p, 4), u8(p, 4 * s), u8(p, nbytes)
-        self.heads, self.result_scales_in, self.result_packed = u8(p, 12), u8(p, 4 * s), u8(p, nbytes)
+        self.recv, self.gathered = u8(p, m1), u8(p, m3)
+        self.recv_flat, self.gathered_flat = self.recv.view(-1), self.gathered.view(-1)
+        # round 1, per rank: [its worker scales (s float32) | its step (int32) | this chunk's signs]
+        self.steps = self.recv[:, 4 * s:4 * s + 4].view(torch.int32).view(-1)
+        self.scales = self.recv[:, :4 * s].view(torch.float32)[:, :count]
+        self.packed_in, self.packed = self.recv[:, 4 * s + 4:4 * s + 4 + nbytes], u8(p, nbytes)
+        # round 2, per server: [flag, lowest step, highest step (int32) | scales (s float32) | signs]
+        self.heads = self.gathered[:, :12].view(torch.int32)[:, :3]
+        self.result_scales_in = self.gathered[:, 12:12 + 4 * s].view(torch.float32)
+        self.result_packed_in = self.gathered[:, 12 + 4 * s:12 + 4 * s + nbytes]
+        self.result_packed = u8(p * nbytes)
+        self.result_packed_rows = self.result_packed.view(p, nbytes)
         self.result_scales_padded = torch.zeros(p, nseg + 1, dtype=torch.float32, device=device)
         self.result_scales = torch.zeros(p, nseg, dtype=torch.float32, device=device)
+        self.result_scales_real = self.result_scales_padded[:, :nseg]
         self.finite = torch.zeros(p * count + count, dtype=torch.float32, device=device)
+        self.finite_workers, self.finite_server = self.finite[:p * count].view(p, count), self.finite[p * count:]
         self.total = torch.zeros((), dtype=torch.float32, device=device)
         self.bad = torch.zeros(1, dtype=torch.bool, device=device)
+        self.bad0 = self.bad[0]
 
-    def decide_flag(self, worker_scales: torch.Tensor, server_scales: torch.Tensor, head: torch.Tensor) -> None:
-        """head[0] <- 2 when head[1] != head[2] (ranks at different steps), else 1 when some
+    def decide_flag(self, worker_scales: torch.Tensor, server_scales: torch.Tensor, head: "_Head") -> None:
+        """head.flag <- 2 when head.low != head.high (ranks at different steps), else 1 when some
         worker scale (float32[P, count]) or server scale (float32[count]) is not finite, else 0.
         On the device, into buffers of its own: x·0 is 0 for finite x and NaN otherwise, so the
         sum of those is NaN exactly when some scale is not finite."""
-        n = worker_scales.numel()
-        self.finite[:n].view_as(worker_scales).copy_(worker_scales)
-        self.finite[n:].copy_(server_scales)
+        self.finite_workers.copy_(worker_scales)
+        self.finite_server.copy_(server_scales)
         torch.sum(self.finite.mul_(0.0), dim=0, out=self.total)
-        torch.ne(self.total, self.total, out=self.bad[0])
-        head[0:1].copy_(self.bad)
-        torch.ne(head[1:2], head[2:3], out=self.bad)
-        head[0:1].masked_fill_(self.bad, 2)
+        torch.ne(self.total, self.total, out=self.bad0)
+        head.flag.copy_(self.bad)
+        torch.ne(head.low1, head.high1, out=self.bad)
+        head.flag.masked_fill_(self.bad, 2)
+
+
+class _Head:
+    """Views of the head of a server's round-2 message (uint8[12]: flag, lowest step, highest
+    step as int32), made once: ``flag``, ``low1``, ``high1`` int32[1], ``low``, ``high`` 0-dim."""
+
+    def __init__(self, msg: torch.Tensor):
+        words = msg[:12].view(torch.int32)
+        self.flag, self.low1, self.high1 = words[0:1], words[1:2], words[2:3]
+        self.low, self.high = words[1], words[2]
 
 
 class Exchange:
@@ -267,6 +291,20 @@ class Exchange:
         self._server_next = None    # where the server side puts the new e_s, read from server_error
         self._reduced = False       # this exchange's server side wrote _server_next
         self._landing = None        # what rounds 1 and 2 read out of the messages (made on first use)
+        # views of the outgoing messages and of the scales, made once (a step makes none)
+        lo, count = los[transport.rank] if los else 0, counts[transport.rank] if counts else 0
+        send = self._send
+        self._send_flat = send.view(-1)
+        self._send_scales = send[:, :4 * s].view(torch.float32) if s else None
+        self._slots = self._scale_slots.view(p, s)
+        self._send_step = send[:, 4 * s:4 * s + 4].view(torch.int32)
+        self._send_packed, self._packed_rows = send[:, 4 * s + 4:4 * s + 4 + nbytes], self._packed.view(p, -1)
+        self._scales_real = self._scales[:self.nseg]
+        self._head = _Head(self._server_msg)
+        self._msg_scales = self._server_msg[12:12 + 4 * s].view(torch.float32)[:count] if s else None
+        self._msg_packed = self._server_msg[12 + 4 * s:12 + 4 * s + nbytes]
+        self._own_worker_scales = self._worker_scales[:, lo:lo + count]
+        self._own_server_scales = self._server_scales[lo:lo + count]
 
     def memory_bytes(self) -> dict:
         """Bytes held: the two error buffers, and the reusable scratch (the input buffer at
@@ -344,48 +382,45 @@ class Exchange:
             if self._next is None:
                 self._next = torch.zeros(self.padded_numel, device=self.device)
             staged = self._next
-        p, s = self.transport.world_size, self.max_pieces
-        native.worker_compress(y, self.worker_error, self.plan, self._scales[:self.nseg], self._packed,
-                               error_out=staged)
+        native.worker_compress(y, self.worker_error, self.plan, self._scales_real, self._packed, error_out=staged)
         self._staged = staged
-        send = self._send
-        if s:
+        if self.max_pieces:
             torch.index_select(self._scales, 0, self._idx_flat, out=self._scale_slots)
-            send[:, :4 * s].view(torch.float32).copy_(self._scale_slots.view(p, s))
-        send[:, 4 * s:4 * s + 4].view(torch.int32).fill_(self.step)
-        send[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8].copy_(self._packed.view(p, -1))
-        return self.transport.start("alltoall", send.view(-1), f"{self.name}.signs")
+            self._send_scales.copy_(self._slots)
+        self._send_step.fill_(self.step)
+        self._send_packed.copy_(self._packed_rows)
+        return self.transport.start("alltoall", self._send_flat, f"{self.name}.signs")
 
     def serve(self, signs_handle: object):
         """Round 1 in: average the P chunks with ``server_error`` and recompress (the new e_s
         staged until :meth:`commit`), flag on the device whether the ranks announced one step and
         every worker and server scale is finite (no host read), start round 2."""
-        p, s, r = self.transport.world_size, self.max_pieces, self.transport.rank
-        recv = self.transport.wait(signs_handle).view(p, self._m1)
-        lo, count = self.pieces[0][r], self.pieces[1][r]
-        land = self._landing = self._landing or _Landing(p, s, count, self.nseg, self.chunk_numel // 8, self.device)
-        steps = land.steps.copy_(recv[:, 4 * s:4 * s + 4]).view(torch.int32).view(-1)
-        msg = self._server_msg
-        head = msg[:12].view(torch.int32)
-        torch.aminmax(steps, out=(head[1], head[2]))
-        scales = land.scales.copy_(recv[:, :4 * s]).view(torch.float32)[:, :count]
+        land = self._landing = self._landing or self._new_landing()
+        land.recv_flat.copy_(self.transport.wait(signs_handle))
+        head = self._head
+        torch.aminmax(land.steps, out=(head.low, head.high))
         # The flag, decided on the device and read by the host with round 2 (gather_status, or
         # every bucket's at once in exchange_buckets): 2 when the ranks announced different
         # steps, 1 when a worker scale or (finite ones summed past float32's range) a server
         # scale is not finite, else 0. The chunk is reduced in every case; a flagged exchange
         # rolls back, dropping the staged server error.
-        self._worker_scales[:, lo:lo + count] = scales
+        self._own_worker_scales.copy_(land.scales)
         if self._server_next is None:
             self._server_next = torch.zeros_like(self.server_error)
-        packed = land.packed.copy_(recv[:, 4 * s + 4:4 * s + 4 + self.chunk_numel // 8])
-        native.server_reduce(packed, self._worker_scales, self.server_error, self.plan,
+        land.packed.copy_(land.packed_in)
+        native.server_reduce(land.packed, self._worker_scales, self.server_error, self.plan,
                              self._server_packed, self._server_scales, error_out=self._server_next)
         self._reduced = True
-        land.decide_flag(scales, self._server_scales[lo:lo + count], head)
-        if s:
-            msg[12:12 + 4 * s].view(torch.float32)[:count] = self._server_scales[lo:lo + count]
-        msg[12 + 4 * s:12 + 4 * s + self.chunk_numel // 8] = self._server_packed
-        return self.transport.start("allgather", msg, f"{self.name}.server")
+        land.decide_flag(land.scales, self._own_server_scales, head)
+        if self.max_pieces:
+            self._msg_scales.copy_(self._own_server_scales)
+        self._msg_packed.copy_(self._server_packed)
+        return self.transport.start("allgather", self._server_msg, f"{self.name}.server")
+
+    def _new_landing(self) -> _Landing:
+        r = self.transport.rank
+        return _Landing(self.transport.world_size, self.max_pieces, self.pieces[1][r], self.nseg,
+                        self.chunk_numel // 8, self._m1, self._m3, self.device)
 
     def gather(self, server_handle: object):
         """Wait for round 2. Returns C(y) still packed: (uint8[N/8] signs of every chunk in rank
@@ -410,24 +445,28 @@ class Exchange:
         return flag, low, high, None if flag else self.result_of(gathered)
 
     def wait_gathered(self, server_handle: object) -> torch.Tensor:
-        """Wait for round 2: every server's message, uint8[P, m3], on the device; nothing read."""
-        return self.transport.wait(server_handle).view(self.transport.world_size, self._m3)
+        """Wait for round 2: every server's message, uint8[P, m3], copied into this exchange's
+        buffer on the device; nothing read on the host. Its result is what :meth:`heads` and
+        :meth:`result_of` read."""
+        land = self._landing
+        land.gathered_flat.copy_(self.transport.wait(server_handle))
+        return land.gathered
 
     def heads(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Each server's (flag, lowest step, highest step) in ``gathered``: int32[P, 3], in a
-        buffer of this exchange's."""
-        return self._landing.heads.copy_(gathered[:, :12]).view(torch.int32)[:, :3]
+        """Each server's (flag, lowest step, highest step) in ``gathered`` (:meth:`wait_gathered`'s
+        result): int32[P, 3], a view of this exchange's buffer."""
+        return self._landing.heads
 
     def result_of(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """C(y) still packed from round 2's messages (:meth:`gather`'s result), on the device,
-        in buffers of this exchange's (valid until its next exchange)."""
-        s, land = self.max_pieces, self._landing
-        packed = land.result_packed.copy_(gathered[:, 12 + 4 * s:12 + 4 * s + self.chunk_numel // 8]).view(-1)
+        """C(y) still packed from round 2's messages (``gathered``, :meth:`wait_gathered`'s
+        result; :meth:`gather`'s result), on the device, in buffers of this exchange's (valid
+        until its next exchange)."""
+        land = self._landing
+        land.result_packed_rows.copy_(land.result_packed_in)
         server_scales = land.result_scales_padded.zero_()
-        if s:
-            scales = land.result_scales_in.copy_(gathered[:, 12:12 + 4 * s]).view(torch.float32)
-            server_scales.scatter_(1, self._idx, scales)
-        return packed, land.result_scales.copy_(server_scales[:, :self.nseg])
+        if self.max_pieces:
+            server_scales.scatter_(1, self._idx, land.result_scales_in)
+        return land.result_packed, land.result_scales.copy_(land.result_scales_real)
 
     def commit(self) -> None:
         """The exchange is not skipped: the staged errors become ``worker_error`` and

@@ -99,6 +99,16 @@ def move_grads_to_storage(b: Bucket) -> bool:
     return True
 
 
+def grad_storage(b: Bucket) -> torch.Tensor | None:
+    """Bucket ``b``'s flat gradient storage ``b.grad`` (float32[n]) with every ``p.grad`` its
+    view (:func:`move_grads_to_storage`), for an exchange that averages the gradients in place
+    and so leaves the result in ``p.grad``; None where the bucket has no flat storage, its
+    gradients are not float32, or some ``p.grad`` is missing, sparse or of another shape."""
+    if b.grad is None or b.grad.dtype != torch.float32:
+        return None
+    return b.grad if grads_in_storage(b) or move_grads_to_storage(b) else None
+
+
 def bump_versions(params: list[torch.Tensor]) -> None:
     """Move each parameter's autograd version counter, as torch's in-place ops would after a
     kernel, or an op on their flat storage, wrote into it (a view made by ``p.data = view``

@@ -196,8 +196,8 @@ class Engine:
 
         ``raw``: ``p.grad`` holds this rank's own gradient (not an exchange result), which is
         still multiplied by a ``torch.amp.GradScaler`` loss scale when one drives the step.
-        One copy where the gradients are, or become (:meth:`grad_storage`), views of the
-        bucket's flat storage.
+        One copy where the gradients are, or become (:func:`.bucket.move_grads_to_storage`),
+        views of the bucket's flat storage.
         """
         n = bucket.numel
         if flat_storage.grads_in_storage(bucket) or flat_storage.move_grads_to_storage(bucket):
@@ -229,17 +229,6 @@ class Engine:
         if in_storage and b.grad.dtype == torch.float32 and not (raw and self.inv_grad_scale is not None):
             return b.grad
         return self.grads_into(b, self.scratch["g"], raw)
-
-    def grad_storage(self, b: Bucket) -> torch.Tensor | None:
-        """Bucket ``b``'s flat gradient storage ``b.grad`` (float32[n]) with every ``p.grad`` its
-        view (moved there as :meth:`grads` does), for an exchange that averages the gradients in
-        place and so leaves the result in ``p.grad``; None where the bucket has no flat storage,
-        its gradients are not float32, or some ``p.grad`` is missing or sparse."""
-        if b.grad is None or b.grad.dtype != torch.float32:
-            return None
-        if flat_storage.grads_in_storage(b) or flat_storage.move_grads_to_storage(b):
-            return b.grad
-        return None
 
     scatter = staticmethod(flat_storage.scatter)
 

@@ -20,6 +20,7 @@ import warnings
 
 from hvd_zoadam.comm.protocol import Average, CollectiveNames, exchange_buckets
 from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core import bucket as flat_storage
 from hvd_zoadam.core.algorithms import Algorithm, StepContext
 from hvd_zoadam.core.engine import (
     Engine,
@@ -76,7 +77,7 @@ class StepDriver:
     def _new_average(self) -> Average:
         return Average(self.transport, self._collectives, gradient_predivide_factor=self.gradient_predivide_factor,
                        fp16_wire=self._fp16_wire(), sparse_grad=self._engine.sparse_grad,
-                       grad_storage=self._engine.grad_storage)
+                       grad_storage=flat_storage.grad_storage)
 
     def _fp16_wire(self) -> bool:
         return self.compression is not None and getattr(self.compression, "__name__", "") == "FP16Compressor"
