@@ -483,8 +483,8 @@ def test_memory_report_matches_the_documented_formula_and_does_not_grow():
         # four shared float32 buffers, the bucket's exchange input (P > 1), packed bytes, the two
         # messages (signs and scales), the server's packed chunk and its staged error (N/P floats),
         # on the CPU the kept denominators (n floats), and what the two rounds' messages are read
-        # into (their signs, N/8 bytes each, and scales)
-        assert m6["scratch"] <= 5 * 4 * big + 4 * n + 4 * (big // 8) + 2 * (big // (8 * p)) + 4 * (big // p) \
+        # into (each round's messages whole and their signs again, N/8 bytes each, and scales)
+        assert m6["scratch"] <= 5 * 4 * big + 4 * n + 6 * (big // 8) + 2 * (big // (8 * p)) + 4 * (big // p) \
             + 8 * nseg + 24 * p * nseg + 64 * p
         assert m6["gradient_storage"] == 4 * n
 

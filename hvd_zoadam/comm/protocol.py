@@ -315,8 +315,10 @@ class Exchange:
             + 4 * self._scale_slots.numel()
         for buf in (self.input, self._next, self._server_next):
             scratch += 0 if buf is None else buf.numel() * 4
-        if self._landing is not None:
-            scratch += sum(t.numel() * t.element_size() for t in vars(self._landing).values())
+        if self._landing is not None:  # its buffers, not the views of them it keeps
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in vars(self._landing).values() if isinstance(t, torch.Tensor)}
+            scratch += sum(storages.values())
         return {"error_buffers": errors, "scratch": scratch}
 
     def mask_errors(self, mask: torch.Tensor) -> None:
