@@ -497,9 +497,10 @@ class Exchange:
 class Average:
     """The full-precision average of buckets' gradients (VARIANCE steps), one collective per bucket.
 
-    A bucket's gradients are gathered into one float32 buffer (one ``cat``), averaged by one
-    in-place ``allreduce`` with op=Average, named after the bucket, and written back into each
-    ``p.grad`` (one ``_foreach_copy_``): under ``torch.distributed`` and MPI, where nothing fuses
+    A bucket's gradients are averaged by one in-place ``allreduce`` with op=Average, named after
+    the bucket: in the bucket's flat gradient storage, of which every ``p.grad`` is a view
+    (``grad_storage``), or else gathered into one float32 buffer (one ``cat``) and written back
+    into each ``p.grad`` (one ``_foreach_copy_``): under ``torch.distributed`` and MPI, where nothing fuses
     collectives, a step makes as many collectives as there are buckets, not tensors (Horovod
     fuses either). With ``fp16_wire`` the buffer travels as float16 (``hvd.Compression.fp16``);
     ``gradient_predivide_factor`` f splits the average into a divide by f before and a multiply
@@ -510,6 +511,8 @@ class Average:
     Args:
         transport: the collectives. names: the :class:`CollectiveNames`.
         sparse_grad: ``sparse_grad(name, g)`` densifies a sparse gradient or raises.
+        grad_storage: ``grad_storage(bucket)``, the bucket's float32 flat gradient storage with
+            every ``p.grad`` its view, or None where it has none (``core.bucket.grad_storage``).
     """
 
     def __init__(self, transport: Transport, names: CollectiveNames, *, gradient_predivide_factor: float,
