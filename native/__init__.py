@@ -291,7 +291,9 @@ def finite_flag(t: torch.Tensor) -> bool | torch.Tensor:
     """Whether every element of ``t`` is finite: a bool where the CPU kernels take ``t`` (one
     read-only pass, :func:`all_finite`), else a 0-dim bool tensor on ``t``'s device, not read,
     for :func:`all_true` to read with others in one host synchronisation."""
-    return all_finite(t) if _cpu_kernels(t) or not t.numel() else torch.isfinite(t).all()
+    if not t.numel():
+        return True
+    return all_finite(t) if _cpu_kernels(t) else torch.isfinite(t).all()
 
 
 def all_true(flags: Iterable[bool | torch.Tensor]) -> bool:

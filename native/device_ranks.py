@@ -32,9 +32,18 @@ KNOBS = dict(var_freeze_step=8, var_update_scaler=2, local_step_policy="steps", 
              local_step_clipper=4, bucket_cap_mb=0.01)
 
 
+def initial_state() -> dict:
+    """The model's starting weights, the same on every rank (made from a generator of its own,
+    so that thread ranks building at once draw the same values)."""
+    gen = torch.Generator().manual_seed(1234)
+    shapes = {"0.weight": (64, 32), "0.bias": (64,), "2.weight": (8, 64), "2.bias": (8,)}
+    return {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+
+
 def model(device: str) -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    m.load_state_dict(initial_state())
+    return m.to(device)
 
 
 def train(build: Callable[[torch.nn.Module], torch.optim.Optimizer], rank: int, steps: int,

@@ -543,7 +543,9 @@ class Average:
         """Start the average of bucket ``b``'s gradients (number ``index``): in place in the
         bucket's flat gradient storage, of which every ``p.grad`` is a view (``grad_storage``,
         as DDP's ``gradient_as_bucket_view``), or else from a copy, which ``copy`` asks for (the
-        hooks' early start, whose gradients may still change before ``step()``). Returns
+        hooks' early start, whose gradients may still change before ``step()``; in place, a loss
+        scale or ``gradient_predivide_factor`` is taken out of ``p.grad`` at once, so a step
+        that fails after it leaves them so). Returns
         ``(handle, wire, flat)`` for :meth:`finish`: the collective's handle (None at P = 1 in
         float32), the tensor on the wire and the float32 buffer."""
         f = self.gradient_predivide_factor
