@@ -575,9 +575,10 @@ def body(rank, transport, explicit_mask):
                                           local_step_scaler=4, local_step_clipper=4, bucket_cap_mb=0.05,
                                           **({"exp_avg_mask": {model[0].weight: torch.ones_like(model[0].weight)},
                                               "auto_exp_avg_mask": False} if explicit_mask else {}))
+    gen = torch.Generator().manual_seed(rank)  # not the global RNG: the other rank may be seeding it
     for t in range(40):
         opt.zero_grad()
-        model(torch.randint(0, 10, (8,))).square().mean().backward()  # rows 10-49 never used: a mask
+        model(torch.randint(0, 10, (8,), generator=gen)).square().mean().backward()  # rows 10-49 never used: a mask
         opt.step()
     masked = any(opt._engine.mask_of(b) is not None for b in opt._engine.buckets)
     return {k: opt.comm_stats()[k]["steps"] for k in ("variance", "local", "sync")}, masked
