@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -66,25 +65,13 @@ def train(build: Callable[[torch.nn.Module], torch.optim.Optimizer], rank: int, 
 def as_threads(world_size: int, steps: int, device: str) -> list[torch.Tensor]:
     """Rank 0's parameters after the same training with ``world_size`` thread ranks."""
     import hvd_zoadam.distributed as zd
-    from hvd_zoadam.comm.thread import ThreadGroup
-    results, errors = {}, []
+    from hvd_zoadam.comm.thread import run_ranks
 
     def rank_body(rank: int, transport: Transport):
-        try:
-            results[rank] = train(lambda m: zd.DistributedOptimizer(
-                torch.optim.AdamW(m.parameters(), lr=1e-2), m.named_parameters(), transport=transport, **KNOBS),
-                rank, steps, device)[0]
-        except BaseException as exc:  # reported below, on the main thread
-            errors.append(exc)
-    threads = [threading.Thread(target=rank_body, args=(r, t))
-               for r, t in enumerate(ThreadGroup(world_size, timeout_s=300).transports())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results[0]
+        return train(lambda m: zd.DistributedOptimizer(
+            torch.optim.AdamW(m.parameters(), lr=1e-2), m.named_parameters(), transport=transport, **KNOBS),
+            rank, steps, device)[0]
+    return run_ranks(world_size, rank_body, timeout_s=300)[0]
 
 
 def launched(launcher: str, device: str):

@@ -42,7 +42,7 @@ import torch
 
 from hvd_zoadam.bench import group_loss
 from hvd_zoadam.bench.lm import add_model_arguments
-from hvd_zoadam.comm.thread import ThreadGroup
+from hvd_zoadam.comm.thread import run_ranks
 
 if TYPE_CHECKING:
     import argparse
@@ -189,28 +189,6 @@ def _cross_entropy(logits, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _threads(world_size: int, fn):
-    """``fn(rank, transport)`` on ``world_size`` thread-ranks; their results in rank order."""
-    group = ThreadGroup(world_size, timeout_s=600)
-    results, errors = [None] * world_size, []
-
-    def body(rank: int, transport: Transport):
-        try:
-            results[rank] = fn(rank, transport)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-            group.abort()
-
-    threads = [threading.Thread(target=body, args=(r, t)) for r, t in enumerate(group.transports())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
     """Train steps first..last (of a run of ``last`` steps) on ``world_size`` thread-ranks;
     returns rank 0's validation loss at the end (``"end"``) and, with ``save=(prefix, s)``,
@@ -250,7 +228,7 @@ def _job(case, world_size, first, last, *, save=None, load=None, mode=None):
                 out["at_save"] = case.val_loss(model)
         out["end"] = case.val_loss(model)
         return out
-    return _threads(world_size, body)[0]
+    return run_ranks(world_size, body)[0]
 
 
 def run(args: argparse.Namespace, train_lm: ModuleType | None = None) -> dict:

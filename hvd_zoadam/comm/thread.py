@@ -3,6 +3,7 @@ two-level exchange's simulated nodes (:class:`ThreadGroup`, :class:`ThreadTransp
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,3 +150,27 @@ class ThreadTransport(Transport):
         cross = ThreadTransport(g.subgroup((name, "cross", local_rank), nodes), node)
         intra.counter, cross.counter = CommCounter(self.counter), CommCounter(self.counter)
         return intra, cross
+
+
+def run_ranks(world_size: int, fn: Callable[[int, ThreadTransport], object], timeout_s: float = 600) -> list:
+    """``fn(rank, transport)`` on ``world_size`` thread ranks of one :class:`ThreadGroup`; their
+    results in rank order. The first exception a rank raises is raised here, once every rank
+    has ended (the others are released from their collectives)."""
+    group = ThreadGroup(world_size, timeout_s=timeout_s)
+    results, errors = [None] * world_size, []
+
+    def body(rank: int, transport: ThreadTransport):
+        try:
+            results[rank] = fn(rank, transport)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            group.abort()
+
+    threads = [threading.Thread(target=body, args=(r, t)) for r, t in enumerate(group.transports())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
