@@ -300,10 +300,7 @@ def all_true(flags: Iterable[bool | torch.Tensor]) -> bool:
     """Whether every flag of :func:`finite_flag` is True: the bools first, then every tensor
     flag read at once (one host synchronisation, none when the bools decide)."""
     flags = list(flags)
-    if not all(f for f in flags if isinstance(f, bool)):
-        return False
-    rest = [f for f in flags if not isinstance(f, bool)]
-    return bool(torch.stack([f.to(rest[0].device) for f in rest]).all()) if rest else True
+    return all(f for f in flags if isinstance(f, bool)) and all(read_flags(flags))
 
 
 def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
@@ -314,13 +311,16 @@ def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
 
 
 def all_finite_many(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite: :func:`all_finite` per CPU tensor
-    (stopping at the first non-finite one), one host synchronisation in all for the rest."""
-    tensors = list(tensors)
-    on_cpu = [t for t in tensors if _cpu_kernels(t)]
-    if not all(all_finite(t) for t in on_cpu):
-        return False
-    return all_true(finite_flag(t) for t in tensors if not _cpu_kernels(t))
+    """Whether every element of every tensor is finite: :func:`finite_flag` of each in turn
+    (a read-only pass per CPU tensor, stopping at the first that is not), one host
+    synchronisation in all for the rest. Each tensor is flagged before the next is drawn, so
+    an iterator may hand out one buffer refilled."""
+    flags = []
+    for t in tensors:
+        flags.append(finite_flag(t))
+        if flags[-1] is False:
+            return False
+    return all_true(flags)
 
 
 def clamp_finite_(y: torch.Tensor, bound: float) -> torch.Tensor:

@@ -225,9 +225,9 @@ class Engine:
         ``gradient_as_bucket_view`` does: with ``zero_grad(set_to_none=False)`` backward then
         accumulates into them and no step copies. float32 gradients are then read where they
         are; others (and a loss scale to take out) go through the engine's scratch."""
-        in_storage = flat_storage.grads_in_storage(b) or flat_storage.move_grads_to_storage(b)
-        if in_storage and b.grad.dtype == torch.float32 and not (raw and self.inv_grad_scale is not None):
-            return b.grad
+        g = flat_storage.grad_storage(b)
+        if g is not None and not (raw and self.inv_grad_scale is not None):
+            return g
         return self.grads_into(b, self.scratch["g"], raw)
 
     scatter = staticmethod(flat_storage.scatter)
@@ -371,12 +371,7 @@ def grads_finite(engine: Engine) -> bool:
     bucket on the CPU (:func:`native.all_finite`, stopping at the first bucket that is not),
     one host synchronisation in all on a GPU. Bucket by bucket, as the engine's scratch is
     shared."""
-    flags = []
-    for b in engine.buckets:
-        flags.append(native.finite_flag(engine.grads(b)))
-        if flags[-1] is False:
-            return False
-    return native.all_true(flags)
+    return native.all_finite_many(engine.grads(b) for b in engine.buckets)
 
 
 def grads_finite_each(engine: Engine) -> list[bool] | None:
