@@ -32,7 +32,8 @@ from .host import numpy_view as _np
 
 __all__ = ["use_cuda_kernels_on_cpu", "configure_threads", "threads_per_rank", "warm_up", "Plan", "all_finite",
            "all_finite_many", "on_cpu_path", "finite_flag", "all_true", "read_flags", "clamp_finite_",
-           "precondition_clamp_", "clamp_by", "local_step", "local_step_if_finite", "local_window_update",
+           "precondition_clamp_", "clamp_by", "local_step", "local_step_if_finite", "local_step_on_device",
+           "local_window_update",
            "local_step_fused",
            "local_step_fuses", "sync_prepare", "sync_rebuild", "worker_scales", "worker_pack", "worker_compress",
            "server_reduce", "decompress", "decompress_momentum", "decompress_sync", "reference"]
@@ -446,6 +447,38 @@ def local_step_if_finite(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch
     bad = cpu.local_step_if_finite(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],
                                    *_scalars(**step))
     return bad == 0
+
+
+def local_step_on_device(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
+                         flags: torch.Tensor, row: int, *, mask: torch.Tensor | None = None,
+                         **step: float | None) -> bool:
+    """:func:`local_step_if_finite` decided on the device, for CUDA tensors (and CPU tensors
+    under :func:`use_cuda_kernels_on_cpu`): one launch of a CUDA kernel checks ``grad`` and,
+    where every element is finite, takes the step; nothing is read on the host. The count of
+    the non-finite elements lands in ``flags[row, 1]`` (``flags``: int32[rows, 2] on the
+    tensors' device, zeroed before its first use; each call leaves 0 in ``flags[row, 0]``).
+
+    The kernel rounds as :func:`cpu.local_step` does: bitwise :func:`reference.local_step` on
+    CPU tensors (the simulator's case), and on a GPU the CPU kernels' bits for the same
+    inputs, which torch's CUDA ops need not give (they fuse other multiply-adds). ``grad``,
+    ``param``, ``exp_avg``, ``denom``: float32[n], contiguous; ``mask``: bool or uint8[n] or
+    None; ``step``: the scalars of :func:`reference.local_step`.
+
+    Returns False, doing nothing, where the kernel does not take these (not on the CUDA path,
+    a dtype other than float32, a tensor that is not contiguous, scalars that
+    :func:`local_step_fuses` leaves to torch's ops); True once launched.
+
+    Raises:
+        ValueError: tensors on more than one device.
+    """
+    tensors = (grad, param, exp_avg, denom) + (() if mask is None else (mask,))
+    if not (all(t.is_contiguous() for t in tensors) and _on_cuda(*tensors, flags)
+            and all(t.dtype == torch.float32 for t in tensors[:4]) and local_step_fuses(**step)
+            and (grad.device.type != "cpu" or _kernel_matches_torch())):
+        return False
+    from . import cuda as _cuda
+    _cuda.local_step_if_finite(grad, param, exp_avg, denom, mask, flags, row, _scalars(**step))
+    return True
 
 
 def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,

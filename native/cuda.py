@@ -72,6 +72,27 @@ else:
         return libdevice.fmul_rn(a, b)
 
 
+if SIMULATOR:  # the simulator's cuda.fma is a*b + c rounded twice
+    @cuda.jit(device=True)
+    def _fma(a, b, c):
+        """a·b + c of float32s rounded once: the product is exact in float64, the sum rounded to
+        odd (nearest, then its last bit set where inexact), whose rounding to float32 is then
+        the correctly rounded one (53 >= 24 + 2 bits)."""
+        p, c64 = float(a) * float(b), float(c)
+        s = p + c64
+        if math.isfinite(s):
+            t = s - p
+            err = (p - (s - t)) + (c64 - t)   # p + c = s + err exactly (TwoSum)
+            if err != 0.0 and not np.float64(s).view(np.int64) & 1:
+                s = float(np.nextafter(s, math.inf if err > 0.0 else -math.inf))
+        return np.float32(s)
+else:
+    @cuda.jit(device=True)
+    def _fma(a, b, c):
+        """a·b + c rounded once (PTX ``fma.rn``): the CPU kernels' ``cpu._fma``."""
+        return cuda.fma(a, b, c)
+
+
 _decode_half = cuda.jit(device=True)(_half_to_f32)
 
 
@@ -478,6 +499,60 @@ def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weigh
             anchor[j] = x
 
 
+@cuda.jit(device=True)
+def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size):
+    """One element of a LOCAL step, (x', m'): ``cpu._local_one``'s operations in its order and
+    roundings (x·decay rounded on its own, so that NVVM cannot fuse it into x·decay + q)."""
+    b = si * c
+    gi = b if gi > b else gi
+    gi = -b if gi < -b else gi
+    xi = _mul_rn(xi, decay)
+    if has_l2:
+        gi = _fma(xi, l2, gi)
+    mi = _fma(coeff, gi - mi, mi if small else gi) * mk
+    return xi + (step_size * mi) / si, mi
+
+
+@cuda.jit
+def _local_step(g, x, m, s, mask, flags, row, c, decay, l2, w, step_size):
+    """A LOCAL step on one bucket where every element of g is finite, else nothing, decided on
+    the device in one cooperative launch (``cpu.local_step_if_finite``): every thread counts
+    the non-finite g of its grid-stride share into ``flags[row, 0]``; after a grid-wide
+    barrier each reads the total and, where it is 0, updates its share of x and m in place
+    (:func:`_local_one`; g, x, m, s: float32[n]; ``mask``: uint8[n], or [0] for none); after
+    a second barrier thread 0 keeps the total in ``flags[row, 1]`` and zeroes ``flags[row, 0]``
+    for the next launch. ``flags``: int32[rows, 2], zero in column 0 before the launch.
+    Scalars float32: c (+inf: no clamp), decay, l2, w, step_size."""
+    grid = cuda.cg.this_grid()
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = g.shape[0]
+    bad = 0
+    i = start
+    while i < n:
+        if not abs(g[i]) < np.float32(math.inf):
+            bad += 1
+        i += stride
+    if bad:
+        cuda.atomic.add(flags, (row, 0), bad)
+    grid.sync()
+    total = flags[row, 0]
+    if total == 0:
+        small = abs(w) < np.float32(0.5)
+        coeff = w if small else w - np.float32(1.0)
+        has_l2 = l2 != np.float32(0.0)
+        masked = mask.shape[0] > 0
+        i = start
+        while i < n:
+            mk = np.float32(mask[i]) if masked else np.float32(1.0)
+            x[i], m[i] = _local_one(g[i], x[i], m[i], s[i], mk, c, decay, l2, coeff, small, has_l2, step_size)
+            i += stride
+    grid.sync()
+    if start == 0:
+        flags[row, 1] = total
+        flags[row, 0] = 0
+
+
 # -- torch-level entry points ---------------------------------------------------------------
 
 _SIM_LOCK = threading.RLock()
@@ -732,6 +807,31 @@ def decompress(packed, sscales, plan, out):
 def decompress_momentum(packed, sscales, plan, exp_avg, beta1):
     _unpack(packed, sscales, plan, 1, exp_avg, exp_avg=exp_avg, weight=1.0 - beta1)
     return exp_avg
+
+
+_COOPERATIVE = {}  # (kernel, device id) -> the most blocks of TPB threads one cooperative launch runs
+
+
+def _cooperative_grid(kernel, args: tuple, n: int) -> int:
+    """Blocks for a cooperative launch of ``kernel`` over ``n`` elements: one per ``TPB``
+    elements, at most as many as the device holds at once (a grid-wide barrier needs every
+    block resident), at least one; one in the simulator, whose grid barrier is a block's."""
+    if SIMULATOR:
+        return 1
+    key = (kernel, cuda.get_current_device().id)
+    if key not in _COOPERATIVE:
+        argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+        _COOPERATIVE[key] = kernel.compile(argtypes).max_cooperative_grid_blocks(TPB)
+    return max(1, min(_grid(n), _COOPERATIVE[key]))
+
+
+@_entry
+def local_step_if_finite(g, x, m, s, mask, flags, row, scalars):
+    """:func:`_local_step` on torch tensors (``mask`` None or bool/uint8[n]; ``scalars``: its
+    five float32 scalars in order), one launch on the current stream."""
+    mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
+    args = (_arr(g), _arr(x), _arr(m), _arr(s), mk, _arr(flags), row, *scalars)
+    _local_step[_cooperative_grid(_local_step, args, g.numel()), TPB, _stream(g)](*args)
 
 
 @_entry

@@ -13,6 +13,7 @@ CPU kernels' for the same scales; scales equal up to float64 summation order.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -241,3 +242,79 @@ def test_dispatch_follows_the_device():
     else:
         s = native.worker_scales(y, torch.zeros(64), plan, torch.zeros(1))
         torch.testing.assert_close(s, reference.worker_scales(y, torch.zeros(64), [0, 64]))
+
+
+@st.composite
+def local_cases(draw):
+    """(g, x, m, s, mask, step) of one bucket for a LOCAL step: up to MAX_NUMEL elements (an
+    empty bucket too), gradients with NaN/±Inf at a few places or none, a bool or uint8 mask
+    or none, and the scalars of both lerp formulas, with and without the clamp, AdamW's decay
+    and Adam's L2 term."""
+    n = draw(st.integers(0, MAX_NUMEL))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    g, x, m = (torch.randn(n, generator=gen) * draw(st.sampled_from([1e-3, 1.0, 1e3])) for _ in range(3))
+    s = torch.rand(n, generator=gen) * 1e-2 + draw(st.sampled_from([1e-8, 1e-3]))
+    for idx, val in draw(st.lists(st.tuples(st.integers(0, max(n - 1, 0)), st.sampled_from(
+            [float("nan"), float("inf"), -float("inf"), 0.0, -0.0])), max_size=3 if n else 0)):
+        g[idx] = val
+    mask = draw(st.sampled_from([None, torch.bool, torch.uint8]))
+    if mask is not None:
+        mask = (torch.rand(n, generator=gen) > 0.3).to(mask)
+    step = dict(weight=draw(st.sampled_from([0.1, 0.5, 0.7])), step_size=draw(st.sampled_from([-0.3, -1e-3])),
+                decay=draw(st.sampled_from([1.0, 0.999])), l2=draw(st.sampled_from([0.0, 0.01])),
+                bound_factor=draw(st.sampled_from([None, 1.5])))
+    return g, x, m, s, mask, step
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=local_cases(), row=st.integers(0, 2))
+def test_the_local_step_kernel_is_bitwise_the_cpu_kernel_and_skips_on_the_device(case, row):
+    """native.local_step_on_device (one cooperative launch: the finiteness check, a grid-wide
+    barrier, the step) against the torch reference on CPU copies, which the CPU kernel
+    (cpu.local_step_if_finite) gives bit for bit: x and m bitwise, or untouched where a
+    gradient is not finite; the count of non-finite gradients in its row of the flags, column
+    0 left at 0 for the next launch, the other rows untouched."""
+    g, x, m, s, mask, step = case
+    finite = bool(torch.isfinite(g).all())
+    want_x, want_m = x.clone(), m.clone()
+    if finite:
+        reference.local_step(g, want_x, want_m, s, mask=mask, **step)
+    cx, cm = x.clone(), m.clone()
+    assert native.local_step_if_finite(g, cx, cm, s, mask=mask, **step) == finite
+    assert torch.equal(cx, want_x) and torch.equal(cm, want_m)  # the CPU kernel, the oracle's bits
+    got_x, got_m, flags = dev(x.clone()), dev(m.clone()), dev(torch.full((3, 2), 7, dtype=torch.int32))
+    flags[row, 0] = 0
+    with cuda_path():
+        assert native.local_step_on_device(dev(g), got_x, got_m, dev(s), flags, row,
+                                           mask=None if mask is None else dev(mask), **step)
+    assert torch.equal(got_x.cpu(), want_x), (got_x.cpu() - want_x).abs().max()
+    assert torch.equal(got_m.cpu(), want_m), (got_m.cpu() - want_m).abs().max()
+    want_flags = torch.full((3, 2), 7, dtype=torch.int32)
+    want_flags[row] = torch.tensor([0, int((~torch.isfinite(g)).sum())])
+    assert torch.equal(flags.cpu(), want_flags)
+
+
+def test_the_local_step_kernel_leaves_to_torch_what_it_does_not_take():
+    """native.local_step_on_device launches nothing, returning False, for float16 tensors,
+    scalars local_step_fuses leaves to torch's ops (weight 1) and CPU tensors off the CUDA path."""
+    n = 16
+    flags = dev(torch.zeros(1, 2, dtype=torch.int32))
+    t = [dev(torch.ones(n)) for _ in range(4)]
+    with cuda_path():
+        assert not native.local_step_on_device(*t[:3], t[3].half(), flags, 0, weight=0.1, step_size=-0.1)
+        assert not native.local_step_on_device(*t, flags, 0, weight=1.0, step_size=-0.1)
+    if SIM:  # off the CUDA path: CPU tensors go to the CPU kernels
+        assert not native.local_step_on_device(*t, flags, 0, weight=0.1, step_size=-0.1)
+    assert torch.equal(t[1].cpu(), torch.ones(n))
+
+
+@contextlib.contextmanager
+def cuda_path():
+    """native.* send CPU tensors to the CUDA kernels under the simulator (on a GPU: nothing to do)."""
+    if SIM:
+        native.use_cuda_kernels_on_cpu(True)
+    try:
+        yield
+    finally:
+        if SIM:
+            native.use_cuda_kernels_on_cpu(False)
