@@ -61,30 +61,53 @@ class StepAgreement:
         trainable = [p for b in self._buckets for p in b.params if p.requires_grad]
         return bool(trainable) and all(p.grad is None for p in trainable)
 
+    def _no_gradient_anywhere(self, no_gradient: bool, armed: bool) -> bool:
+        """Whether no rank has a gradient (``no_gradient``: this rank's :meth:`_no_gradient_here`),
+        so that the step changes nothing on any rank, as ``torch.optim.Adam.step()`` without
+        gradients (Horovod's habit of a step before training, with no ``backward()``). Known
+        here at P = 1 and at the first step, whose settings check compares it (some rank
+        without a gradient: ValueError on every rank); where overlap is armed the step's flag
+        carries it (:meth:`_agree_on_step`; False here). At any other step of P > 1 ranks (a
+        LOCAL step, overlap off, a GradScaler) nothing is sent before the exchange that could
+        carry it: a rank without a gradient raises alone (:meth:`_refuse_without_backward`)."""
+        if not self._checked_layout:
+            self._check_layout(no_gradient)
+            return no_gradient
+        if no_gradient and not armed and self.world_size > 1:
+            self._refuse_without_backward()
+        return no_gradient and not armed
+
     def _refuse_without_backward(self) -> None:
         """RuntimeError on this rank alone, for a step without ``backward()`` that carries no flag
         (a LOCAL step, or overlap off): no collective of the step has started here."""
         self._reset_passes()
-        raise RuntimeError("hvd_zoadam: " + _no_backward_message(f"rank {self.transport.rank}"))
+        raise RuntimeError("hvd_zoadam: " + _no_backward_message(f"rank {self.transport.rank}") + (
+            " A step without a gradient on every rank changes nothing where the ranks can compare it (the first "
+            "step, and steps whose exchange starts during backward()); this step sends nothing before its "
+            "exchange, so this rank cannot know whether the others have a gradient."))
 
-    def _agree_on_step(self, step: int, no_gradient: bool) -> None:
+    def _agree_on_step(self, step: int, no_gradient: bool) -> bool:
         """The ranks' flags for a step where overlap is armed, in one allgather of 4 bytes a rank
         (:func:`~hvd_zoadam.comm.protocol.step_flags`), after every rank has started every
         bucket's early exchange (:meth:`.Overlap.complete`), so the collectives pair up.
 
         A rank without any gradient (:meth:`_no_gradient_here`): every rank raises RuntimeError
-        naming it, after the early exchanges are completed. Some rank's gradients changed after
-        the hooks started their exchange (e.g. clipped without synchronize()): the early
+        naming it, after the early exchanges are completed; when no rank has one, their results
+        are dropped and True is returned (the step changes nothing). Otherwise False. Some
+        rank's gradients changed after the hooks started their exchange (e.g. clipped without
+        synchronize()): the early
         exchanges are completed and their results dropped, and the step exchanges the
         gradients as they are now, like overlap=False (a COMPRESSED step's early worker side
         only staged its error: ``worker_error`` is untouched until round 2)."""
         mine = (GRADS_CHANGED if self._grads_changed_here() else 0) | (NO_GRADIENT if no_gradient else 0)
         flags = step_flags(self.transport, self._collectives, step, mine)
         if not any(flags):
-            return
+            return False
         self._drain(self._overlap.window)
         self._overlap.window = None
         missing = [rank for rank, flag in enumerate(flags) if flag & NO_GRADIENT]
+        if len(missing) == len(flags):
+            return True
         if missing:
             self._reset_passes()
             raise RuntimeError("hvd_zoadam: " + _no_backward_message(
@@ -96,6 +119,7 @@ class StepAgreement:
                           "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
                           "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
                           "or build the optimizer with overlap=False.")
+        return False
 
     def _announced(self, step: int) -> int:
         """What the coming step's 1-bit exchanges announce in round 1 (int32): the iteration of

@@ -156,7 +156,8 @@ class StepDriver:
     def _prepare_step(self) -> None:
         """Everything ``synchronize()`` does once the world is current: the settings check of
         the first step, the exchange of the coming step's gradients (or its agreed skip), and
-        ``self._pending = (step, kind, skip)`` for :meth:`_apply_step`."""
+        ``self._pending = (step, kind, skip)`` for :meth:`_apply_step`: kind None where no rank
+        has a gradient (:meth:`_no_gradient_anywhere`), a step that changes nothing."""
         step, kind = self._next_kind()
         announced = self._announced(step)
         for b in self._buckets:
@@ -166,17 +167,17 @@ class StepDriver:
         check_params_unchanged(self._engine)
         no_gradient = self._no_gradient_here()
         self._adopt_loaded_adam()
-        if not self._checked_layout:
-            self._check_layout(no_gradient)
-        elif no_gradient and not armed:  # no flag to carry it this step: this rank raises alone
-            self._refuse_without_backward()
+        nothing_to_step = self._no_gradient_anywhere(no_gradient, armed)
         # the schedule moved under us (a load between backward and step)
         self._drain(self._overlap.stale(step, kind, len(self._buckets), self._launch))
         if armed:
             self.transport.counter.kind = kind.value
             self._overlap.complete(step, kind, len(self._buckets), self._launch)
-            self._agree_on_step(step, no_gradient)
+            nothing_to_step = self._agree_on_step(step, no_gradient)
         window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
+        if nothing_to_step:  # no rank has a gradient: step() changes nothing (kind None)
+            self._pending, self._synchronized, self._exchanged = (step, None, False), True, False
+            return
         if kind is StepKind.SYNC and window is not None:  # completed by the step function's exchange
             self._sync_started = {id(self._buckets[bi]): handle for bi, handle in window.scales.items()}
         skip = False
@@ -247,6 +248,10 @@ class StepDriver:
         step, kind, skip = self._pending
         self._pending = None
         self._synchronized = False
+        if kind is None:  # no rank has a gradient: as torch.optim.Adam's step() without one, nothing moves
+            self._mark_wrapped_stepped()
+            self._reset_passes()
+            return loss
         counters = self._counters
         self.transport.counter.kind = kind.value
         ctx = StepContext(self._engine, step, counters, self._exchanged, self._exchange,

@@ -1,0 +1,124 @@
+"""Habits a DDP or Horovod script brings along, kept: a step with no gradient on every rank changes
+nothing (as ``torch.optim.Adam.step()`` without gradients), and ``hvd.broadcast_optimizer_state``
+leaves the gradients as it found them.
+
+Thread-rank and one-process runs, each against the same run without the habit, bit for bit.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hvd_zoadam
+from conftest import run_threads
+
+sys.path.insert(0, str(Path(__file__).parent / "mp"))
+import common  # noqa: E402
+
+STEPS = 14
+KNOBS = dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=2,
+             local_step_policy="steps")
+
+
+def snapshot(net, opt) -> list:
+    """Everything a step may change: parameters, per-parameter state, the counters and each
+    group's window, cloned."""
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in net.parameters()]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return [[p.detach().clone() for p in net.parameters()], state, repr(groups)]
+
+
+def same(a, b) -> bool:
+    params_a, state_a, groups_a = a
+    params_b, state_b, groups_b = b
+    return (all(torch.equal(x, y) for x, y in zip(params_a, params_b)) and groups_a == groups_b
+            and all(s.keys() == t.keys() and all(torch.equal(s[k], t[k]) if torch.is_tensor(s[k]) else s[k] == t[k]
+                                                 for k in s) for s, t in zip(state_a, state_b)))
+
+
+def train(rank, transport, noop_at=(), **knobs):
+    """STEPS steps of the MLP; before each step in ``noop_at`` every rank calls step() once more
+    with no gradient (zero_grad(), no backward()). Returns (final parameters, kinds of the
+    steps taken, [whether each no-gradient step left everything as it was])."""
+    net = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=common.LR),
+                                          named_parameters=net.named_parameters(), transport=transport,
+                                          **{**KNOBS, **knobs})
+    kinds, unchanged = [], []
+    for t in range(1, STEPS + 1):
+        if t in noop_at:
+            before = snapshot(net, opt)
+            opt.zero_grad()
+            assert opt.step(lambda: 7.0) == 7.0  # the closure's loss, as torch's step returns it
+            unchanged.append(same(before, snapshot(net, opt)))
+        opt.zero_grad()
+        common.loss_fn(net, t, rank).backward()
+        opt.step()
+        kinds.append(opt.schedule.kind(t).value)
+    return [p.detach().clone() for p in net.parameters()], kinds, unchanged
+
+
+def assert_same_run(got, want):
+    (params, kinds, unchanged), (ref_params, ref_kinds, _) = got, want
+    assert all(unchanged), unchanged
+    assert kinds == ref_kinds
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+# the first step (its settings check compares the ranks), then steps whose exchange starts in
+# backward(): VARIANCE (2), COMPRESSED (3), SYNC (6; 5 is the first after the freeze), overlap on
+@pytest.mark.parametrize("noop_at", [(1,), (2,), (3,), (6,), (1, 3, 6)])
+def test_a_step_without_gradient_on_every_rank_changes_nothing(noop_at):
+    ref = run_threads(2, lambda rank, transport: train(rank, transport))
+    assert ref[0][1][:7] == ["variance", "variance", "compressed", "variance", "sync", "sync", "local"], ref[0][1]
+    got = run_threads(2, lambda rank, transport: train(rank, transport, noop_at))
+    for rank in range(2):
+        assert_same_run(got[rank], ref[rank])
+
+
+@pytest.mark.parametrize("noop_at", [(1,), (3,), (7,), (1, 6, 7, 9)])
+def test_one_rank_a_step_without_gradient_changes_nothing_at_any_step(noop_at):
+    """At P = 1 there is nothing to agree on: LOCAL steps (7, 9) too."""
+    ref = run_threads(1, lambda rank, transport: train(rank, transport))
+    assert ref[0][1][6] == ref[0][1][8] == "local"
+    got = run_threads(1, lambda rank, transport: train(rank, transport, noop_at))
+    assert_same_run(got[0], ref[0])
+
+
+def test_a_step_without_gradient_where_the_ranks_cannot_compare_raises_on_each_rank():
+    """A LOCAL step (7) sends nothing, and with overlap off no flag precedes the exchange (3): a
+    rank without a gradient cannot know the others' and raises, saying so, before any collective."""
+    for noop_at, overlap in ((7,), True), ((3,), False):
+        got = run_threads(2, lambda rank, transport: _error(train, rank, transport, noop_at, overlap=overlap))
+        for rank, text in enumerate(got):
+            assert text.startswith(f"RuntimeError: hvd_zoadam: rank {rank} called step() with no gradient"), text
+            assert "this rank cannot know whether the others have a gradient" in text
+
+
+def test_one_rank_without_gradient_still_raises_on_every_rank():
+    """Only where no rank has a gradient is the step a no-op: one rank without raises on every rank."""
+    def body(rank, transport):
+        net = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=common.LR),
+                                              named_parameters=net.named_parameters(), transport=transport, **KNOBS)
+        for t in (1, 2):
+            opt.zero_grad()
+            if t == 1 or rank == 0:
+                common.loss_fn(net, t, rank).backward()
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                return str(exc)
+        return "stepped"
+    assert all("rank 1 called step() with no gradient at all" in text for text in run_threads(2, body))
+
+
+def _error(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the text is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
