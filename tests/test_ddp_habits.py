@@ -1,6 +1,7 @@
 """Habits a DDP or Horovod script brings along, kept: a step with no gradient on every rank changes
-nothing (as ``torch.optim.Adam.step()`` without gradients), and ``hvd.broadcast_optimizer_state``
-leaves the gradients as it found them.
+nothing (as ``torch.optim.Adam.step()`` without gradients), ``hvd.broadcast_optimizer_state``
+leaves the gradients as it found them, and DDP's accumulation loop runs with the optimizer's
+``no_sync()`` in the model's.
 
 Thread-rank and one-process runs, each against the same run without the habit, bit for bit.
 """
@@ -14,6 +15,7 @@ import torch
 
 import hvd_zoadam
 from conftest import run_threads
+from hvd_zoadam.comm.thread import ThreadGroup
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
 import common  # noqa: E402
@@ -122,3 +124,63 @@ def _error(fn, *args, **kwargs) -> str:
     except Exception as exc:  # noqa: BLE001 - the text is what the test checks
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+# -- accumulation as DDP writes it ----------------------------------------------------------------
+
+def passes(t: int, rank: int) -> int:
+    """Backward passes of step ``t`` on ``rank``: varying from step to step and from rank to rank."""
+    return 1 + (t * (rank + 1) + rank) % 4
+
+
+def accumulate(rank, transport, no_sync: bool):
+    """STEPS steps, each of ``passes(t, rank)`` micro-batches: with ``no_sync`` all but the last
+    backward() inside ``opt.no_sync()`` (DDP's loop) and Horovod's default count of 1; without, no
+    context and a count no step reaches (the exchange then runs in step()). Returns (parameters,
+    comm_stats)."""
+    net = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=common.LR),
+                                          named_parameters=net.named_parameters(), transport=transport,
+                                          backward_passes_per_step=1 if no_sync else 100, **KNOBS)
+    for t in range(1, STEPS + 1):
+        if no_sync and t == 2:  # DDP allows zero_grad() after backward() inside no_sync(): nothing started
+            with opt.no_sync():
+                common.loss_fn(net, 99, rank).backward()
+            opt.zero_grad()
+        n = passes(t, rank)
+        for i in range(n):
+            loss = common.loss_fn(net, 100 * t + i, rank)
+            if no_sync and i < n - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()], opt.comm_stats()
+
+
+def test_no_sync_accumulates_any_number_of_passes_as_ddp_does():
+    """DDP's accumulation loop with the optimizer's no_sync() in the model's: the run is the run
+    that accumulates the same passes with no exchange until step(), bit for bit, every rank."""
+    assert {passes(t, 0) for t in range(1, STEPS + 1)} == {1, 2, 3, 4}
+    assert any(passes(t, 0) != passes(t, 1) for t in range(1, STEPS + 1))
+    got = run_threads(2, lambda rank, transport: accumulate(rank, transport, no_sync=True))
+    want = run_threads(2, lambda rank, transport: accumulate(rank, transport, no_sync=False))
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[rank][0], want[rank][0]))
+        assert got[rank][1]["bytes_sent_total"] == want[rank][1]["bytes_sent_total"]
+    assert all(torch.equal(a, b) for a, b in zip(got[0][0], got[1][0]))
+
+
+def test_more_passes_than_backward_passes_per_step_names_no_sync():
+    net = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters()), named_parameters=net.named_parameters(),
+                                          transport=ThreadGroup(1).transports()[0],
+                                          backward_passes_per_step=2)
+    for i in range(2):
+        common.loss_fn(net, i, 0).backward()
+    with opt.no_sync():  # not counted
+        common.loss_fn(net, 2, 0).backward()
+    with pytest.raises(AssertionError, match=r"Increase backward_passes_per_step(.|\n)*with opt.no_sync\(\)"):
+        common.loss_fn(net, 3, 0).backward()

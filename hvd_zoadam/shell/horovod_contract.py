@@ -29,7 +29,7 @@ class HorovodContract:
 
         def hook(param: torch.Tensor):
             opt = owner()
-            if opt is not None:
+            if opt is not None and not opt._no_sync_depth:
                 opt._grad_ready(param)
         return hook
 
@@ -41,7 +41,8 @@ class HorovodContract:
                 "Gradients were computed more than backward_passes_per_step times before call to step(). "
                 "Increase backward_passes_per_step to accumulate gradients locally. (hvd_zoadam: parameter "
                 f"{self._names.get(p)!r} of the optimizer {self._collectives.prefix}; when several optimizers "
-                "share a model, call step() on each one whose parameters got gradients.)")
+                "share a model, call step() on each one whose parameters got gradients. For a number of passes "
+                "that varies, run all but the last backward() inside `with opt.no_sync():`, as with DDP.)")
         self._passes[p] += 1
         bucket_of = self._engine.bucket_of
         if self._passes[p] == self.backward_passes_per_step and p in bucket_of and self._can_overlap():
@@ -75,6 +76,32 @@ class HorovodContract:
                 self.pool_errors_after_reset()
             self._passes.update(passes)
         self._prepare_step()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context in which backward passes only accumulate into ``p.grad``, as in
+        ``DistributedDataParallel.no_sync()``: they are not counted toward
+        ``backward_passes_per_step`` and start no exchange. The passes after the context count
+        as usual, so DDP's accumulation loop works unchanged with the optimizer in the model's
+        place, whatever the number of passes per step (it may differ from step to step and
+        from rank to rank)::
+
+            for i, batch in enumerate(loader):
+                if (i + 1) % accumulate:
+                    with opt.no_sync():
+                        loss_fn(model, batch).backward()
+                else:
+                    loss_fn(model, batch).backward()
+                    opt.step()
+                    opt.zero_grad()
+
+        ``step()`` inside the context still exchanges (every rank must call it alike).
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -153,6 +153,7 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, Param
         self._passes = {}
         self._synchronized = False
         self._should_synchronize = True
+        self._no_sync_depth = 0       # inside no_sync(): the hooks neither count nor start
         self._pending = None          # (step, kind, skip) prepared by synchronize()
         self._iteration = None        # set_iteration(): what the 1-bit exchanges announce
         self._announcing = (0, None)  # (optimizer step, iteration) of the exchange in progress
