@@ -19,7 +19,7 @@ from hvd_zoadam.checkpoint import atomic_save  # noqa: E402
 # With var_freeze_step=6, kappa=2, alpha=2, H_max=4: 6 is the last step before the freeze,
 # 8 a SYNC step, 9 the middle of a window (steps 10 and 12 are syncs after H=2).
 SAVE_AT = [6, 8, 9]
-KINDS = Schedule(6, 2, 2, 4)
+KINDS = Schedule(6, 2, 2, 4, "steps")
 
 
 @pytest.fixture(scope="module")

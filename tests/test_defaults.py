@@ -184,3 +184,28 @@ def test_schedule_with_a_decided_freeze_is_the_plain_schedule():
     rule = AutoFreeze(8, 0.98)
     assert rule.schedule(base, {}) is base
     assert rule.schedule(base, {"var_freeze_step": 120}) == Schedule(120, 8, 32768, 8, "lr")
+
+
+def test_a_schedule_and_every_front_end_read_one_set_of_defaults():
+    """The defaults live in one place, ``SCHEDULE_DEFAULTS``: the public :class:`Schedule`'s fields
+    and every front end's ``DistributedOptimizer`` read them, so ``Schedule(T_f, κ)`` predicts
+    the step kinds of an optimizer given that T_f and κ and no other knob."""
+    import dataclasses
+    import inspect
+
+    from hvd_zoadam.core.schedule import SCHEDULE_DEFAULTS
+    from hvd_zoadam.shell import horovod, mpi, torch_distributed
+    fields = {f.name: f.default for f in dataclasses.fields(Schedule) if f.default is not dataclasses.MISSING}
+    assert fields == SCHEDULE_DEFAULTS
+    assert SCHEDULE_DEFAULTS["local_step_policy"] == "lr"
+    for front_end in (horovod.DistributedOptimizer, torch_distributed.DistributedOptimizer):
+        params = inspect.signature(front_end).parameters
+        assert {name: params[name].default for name in SCHEDULE_DEFAULTS} == SCHEDULE_DEFAULTS, front_end.__module__
+    assert {name: mpi.KNOBS[name] for name in SCHEDULE_DEFAULTS} == SCHEDULE_DEFAULTS
+    knobs = {name: torch_distributed.KNOBS[name] for name in SCHEDULE_DEFAULTS}
+    schedule, _, _ = resolve_schedule(2, 0.98, var_freeze_step=120, var_update_scaler="auto",
+                                      scale_block_numel="auto", **knobs)
+    assert schedule == Schedule(120, 8)
+    lr = warmup_cosine(60, 400)
+    assert [schedule.kind(t, lr(t), lr(120)) for t in range(1, 401)] == \
+        [Schedule(120, 8).kind(t, lr(t), lr(120)) for t in range(1, 401)]

@@ -237,7 +237,7 @@ def test_a_sync_steps_exchange_starts_in_backward_and_a_late_change_is_exchanged
     rank skips every later SYNC exchange on every rank, and then the other rank keeps its
     local update, which ``step()`` takes after the skip when the hooks started the exchange."""
     knobs = dict(var_freeze_step=2, var_update_scaler=1, local_step_scaler=32768, local_step_clipper=1)
-    kinds = [hvd_zoadam.Schedule(**knobs).kind(t) for t in range(1, 9)]
+    kinds = [hvd_zoadam.Schedule(**knobs).kind(t, lr=common.LR) for t in range(1, 9)]
     assert kinds[2:] == [StepKind.SYNC] * 6
 
     def body(rank, transport, overlap):

@@ -121,7 +121,8 @@ def _quadratic_case(world_size, steps=30):
     def grad_fn(step, rank, xs):
         g = torch.Generator().manual_seed(step * 1000 + rank)
         return [x - c + 0.3 * torch.randn(x.shape, generator=g) for x, c in zip(xs, centres[rank])]
-    schedule = Schedule(var_freeze_step=8, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+    schedule = Schedule(var_freeze_step=8, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4,
+                        local_step_policy="steps")
     kw = dict(world_size=world_size, steps=steps, schedule=schedule, lr_fn=lambda t: 0.01 * min(1.0, t / 5),
               betas=(0.9, 0.98), weight_decay=0.01, scale_block_numel=64)
     return params, grad_fn, kw

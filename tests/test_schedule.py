@@ -53,7 +53,8 @@ def test_variance_state_counts_k_and_interval():
 
 def test_no_variance_step_after_the_freeze_and_sync_rule_steps_policy():
     # T_f=4, kappa=2 -> v v c v | H=1 for d=1..3, H=2 for d=4..6, H=4 for d=7..9, then H=8.
-    s = Schedule(var_freeze_step=4, var_update_scaler=2, local_step_scaler=3, local_step_clipper=8)
+    s = Schedule(var_freeze_step=4, var_update_scaler=2, local_step_scaler=3, local_step_clipper=8,
+                 local_step_policy="steps")
     assert kinds(s, 28) == "vvcv" + "sss" + "sls" + "lsl" + "llllll" + "s" + "lllllll" + "s"
     assert s.describe(4)["frozen"] is False and s.describe(5)["frozen"] is True
     assert s.describe(12)["local_step_interval"] == 4

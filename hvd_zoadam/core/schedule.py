@@ -20,6 +20,17 @@ LOCAL_STEP_POLICIES = ("steps", "lr", "constant")
 VAR_UPDATE_WEIGHTINGS = ("interval", "paper")
 NEVER = 2 ** 62  # a var_freeze_step no run reaches: v not frozen (yet)
 
+# The schedule's defaults, in one place: :class:`Schedule`'s fields and every front end's
+# ``DistributedOptimizer`` read them, so that ``Schedule(T_f, κ)`` gives the step kinds of an
+# optimizer built with the same T_f and κ and no other knob.
+DEFAULT_LOCAL_STEP_SCALER = 32768
+DEFAULT_LOCAL_STEP_CLIPPER = 8
+DEFAULT_LOCAL_STEP_POLICY = "lr"
+DEFAULT_VAR_UPDATE_WEIGHTING = "interval"
+SCHEDULE_DEFAULTS = {"local_step_scaler": DEFAULT_LOCAL_STEP_SCALER, "local_step_clipper": DEFAULT_LOCAL_STEP_CLIPPER,
+                     "local_step_policy": DEFAULT_LOCAL_STEP_POLICY,
+                     "var_update_weighting": DEFAULT_VAR_UPDATE_WEIGHTING}
+
 
 class StepKind(enum.Enum):
     """The four kinds of step of algorithm.md §2."""
@@ -42,19 +53,20 @@ def check_positive_int(value: object, name: str, hint: str = "") -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    """T_v and T_u of algorithm.md §4.
+    """T_v and T_u of algorithm.md §4. The defaults are the optimizer's (:data:`SCHEDULE_DEFAULTS`).
 
     Args:
         var_freeze_step: T_f (steps, >= 1). Steps t <= T_f are before the variance freeze.
         var_update_scaler: kappa (>= 1). The variance interval I starts at 1 and doubles
             after every kappa-th variance step; t in T_v iff t <= T_f and t mod I == 0.
-        local_step_scaler: alpha (steps, >= 1). With the ``"steps"`` policy the local-step
-            interval H doubles after every alpha steps past the freeze.
-        local_step_clipper: H_max (steps, a power of 2), the cap on H. H takes the values
-            1, 2, 4, ... H_max, so windows between syncs never exceed H_max.
-        local_step_policy: ``"steps"`` (DeepSpeed's rule), ``"lr"`` (H doubles each time
-            the learning rate has halved relative to its value at the freeze; paper §4)
-            or ``"constant"`` (H = H_max).
+        local_step_scaler: alpha (steps, >= 1; 32768 by default). With the ``"steps"`` policy
+            the local-step interval H doubles after every alpha steps past the freeze.
+        local_step_clipper: H_max (steps, a power of 2; 8 by default), the cap on H. H takes
+            the values 1, 2, 4, ... H_max, so windows between syncs never exceed H_max.
+        local_step_policy: ``"lr"`` (the default: H doubles each time the learning rate has
+            halved relative to its value at the freeze; paper §4; :meth:`kind` then needs
+            ``lr`` and ``freeze_lr``), ``"steps"`` (DeepSpeed's rule) or ``"constant"``
+            (H = H_max).
         var_update_weighting: how much an update of v at t in T_v weighs (algorithm.md §4,
             "Weighting the variance updates"): ``"interval"`` (the default) as the
             I = t − t' steps since the previous t' in T_v, v <- β2^I·v + (1 − β2^I)·ḡ², so
@@ -67,10 +79,10 @@ class Schedule:
 
     var_freeze_step: int
     var_update_scaler: int
-    local_step_scaler: int
-    local_step_clipper: int
-    local_step_policy: str = "steps"
-    var_update_weighting: str = "interval"
+    local_step_scaler: int = DEFAULT_LOCAL_STEP_SCALER
+    local_step_clipper: int = DEFAULT_LOCAL_STEP_CLIPPER
+    local_step_policy: str = DEFAULT_LOCAL_STEP_POLICY
+    var_update_weighting: str = DEFAULT_VAR_UPDATE_WEIGHTING
 
     def __post_init__(self):
         for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):

@@ -8,6 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hvd_zoadam.comm.select import make_transport
+from hvd_zoadam.core.schedule import (
+    DEFAULT_LOCAL_STEP_CLIPPER,
+    DEFAULT_LOCAL_STEP_POLICY,
+    DEFAULT_LOCAL_STEP_SCALER,
+    DEFAULT_VAR_UPDATE_WEIGHTING,
+)
 from hvd_zoadam.shell.elastic import register_state_handler
 from hvd_zoadam.shell.optimizer import DistributedAdamOptimizer, build_optimizer
 from hvd_zoadam.shell.options import check_horovod_arguments, documents_knobs, horovod_groups
@@ -29,9 +35,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: int | None = None, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: int | list[list[torch.Tensor]] | None = None, sparse_as_dense: bool = False,
                          process_set: ProcessSet | None = None, *, var_freeze_step: int | str = "auto",
-                         var_update_scaler: int | str = "auto", local_step_scaler: int = 32768,
-                         local_step_clipper: int = 8, local_step_policy: str = "lr",
-                         var_update_weighting: str = "interval", bias_correction: bool = True,
+                         var_update_scaler: int | str = "auto", local_step_scaler: int = DEFAULT_LOCAL_STEP_SCALER,
+                         local_step_clipper: int = DEFAULT_LOCAL_STEP_CLIPPER,
+                         local_step_policy: str = DEFAULT_LOCAL_STEP_POLICY,
+                         var_update_weighting: str = DEFAULT_VAR_UPDATE_WEIGHTING, bias_correction: bool = True,
                          transport: str | Transport = "auto", bucket_cap_mb: float = 25.0,
                          scale_block_numel: int | str | None = "auto",
                          exp_avg_mask: dict[torch.Tensor | str, torch.Tensor] | None = None,

@@ -30,7 +30,7 @@ from hvd_zoadam.comm.transport import Transport
 from hvd_zoadam.core.algorithms.onebit import OnebitAdam as _OnebitAdam
 from hvd_zoadam.core.algorithms.zeroone import ZeroOneAdam
 from hvd_zoadam.core.engine import Engine
-from hvd_zoadam.core.schedule import AutoFreeze, Schedule
+from hvd_zoadam.core.schedule import SCHEDULE_DEFAULTS, AutoFreeze, Schedule
 from hvd_zoadam.shell.agreement import StepAgreement
 from hvd_zoadam.shell.driver import StepDriver
 from hvd_zoadam.shell.horovod_contract import HorovodContract
@@ -252,8 +252,7 @@ def optimizer_class(algorithm: str, base: type) -> type:
 def _check_onebit(knobs: dict, precondition_compression) -> int:
     """ValueError for a 0/1 Adam knob passed to 1-bit Adam, or for 1-bit Adam without its
     ``freeze_step``. Returns 1-bit Adam's κ: 1 (every warm-up step updates v)."""
-    defaults = dict(var_update_scaler=AUTO, local_step_scaler=32768, local_step_clipper=8, local_step_policy="lr",
-                    var_update_weighting="interval", precondition_compression=True)
+    defaults = dict(SCHEDULE_DEFAULTS, var_update_scaler=AUTO, precondition_compression=True)
     given = {**knobs, "precondition_compression": precondition_compression}
     for name, default in defaults.items():
         if given[name] != default:

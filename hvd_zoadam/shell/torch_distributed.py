@@ -30,6 +30,12 @@ import torch
 from hvd_zoadam.comm.select import torch_distributed_transport
 from hvd_zoadam.comm.torch_distributed import torch_distributed_unavailable_reason
 from hvd_zoadam.comm.transport import Transport
+from hvd_zoadam.core.schedule import (
+    DEFAULT_LOCAL_STEP_CLIPPER,
+    DEFAULT_LOCAL_STEP_POLICY,
+    DEFAULT_LOCAL_STEP_SCALER,
+    DEFAULT_VAR_UPDATE_WEIGHTING,
+)
 from hvd_zoadam.shell.optimizer import build_optimizer
 from hvd_zoadam.shell.options import documents_knobs
 
@@ -44,8 +50,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          process_group: ProcessGroup | None = None, *, backward_passes_per_step: int = 1,
                          var_freeze_step: int | str = "auto", var_update_scaler: int | str = "auto",
-                         local_step_scaler: int = 32768, local_step_clipper: int = 8, local_step_policy: str = "lr",
-                         var_update_weighting: str = "interval", bias_correction: bool = True,
+                         local_step_scaler: int = DEFAULT_LOCAL_STEP_SCALER,
+                         local_step_clipper: int = DEFAULT_LOCAL_STEP_CLIPPER,
+                         local_step_policy: str = DEFAULT_LOCAL_STEP_POLICY,
+                         var_update_weighting: str = DEFAULT_VAR_UPDATE_WEIGHTING, bias_correction: bool = True,
                          transport: str | Transport = "auto", bucket_cap_mb: float = 25.0,
                          scale_block_numel: int | str | None = "auto",
                          exp_avg_mask: dict[torch.Tensor | str, torch.Tensor] | None = None,
