@@ -12,7 +12,8 @@ collectives per bucket and moves at most 100 (COMPRESSED) or 120 (SYNC) bytes pe
 SYNC step at most four numba launches per bucket, a COMPRESSED step five (its torch ops and
 allocations, in the exchange's framing, are over budget: docs/performance.md). The CUDA path
 is counted under the simulator at P = 1 (the 1-bit kernels of P > 1, run by Python threads
-there, take many minutes): each step kind reads its finiteness flags at once.
+there, take many minutes): each step kind reads its finiteness flags at once, and a LOCAL step,
+one kernel launch per bucket that decides its skip on the device, reads none.
 """
 import json
 import os
@@ -112,9 +113,10 @@ def counted_cuda_sim():
 @pytest.mark.parametrize("kind", ["variance", "compressed", "local", "sync"])
 def test_the_cuda_path_reads_a_steps_flags_at_once(counted_cuda_sim, kind):
     """On the CUDA path (under the simulator, P = 1) every bucket's finiteness is a flag on the
-    device, read with the others in one host synchronisation: the gradients' (VARIANCE,
-    COMPRESSED, LOCAL), the window updates' (SYNC: what a skipped local step gives is chosen on
-    the device); a COMPRESSED step after a VARIANCE step reads the masks of v = 0 once more.
+    device, read with the others in one host synchronisation (LOCAL reads none: see below): the
+    gradients' (VARIANCE, COMPRESSED), the window updates' (SYNC: what a skipped local step gives
+    is chosen on the device); a COMPRESSED step after a VARIANCE step reads the masks of v = 0
+    once more.
     Was one read per bucket or more (24, 25, 24 and 72 over 24 buckets). Within the bytes'
     budgets but SYNC's (its local update and rebuild are torch's ops there, 162 bytes)."""
     b, v = counted_cuda_sim["buckets"], counted_cuda_sim["kinds"][kind]
@@ -122,3 +124,14 @@ def test_the_cuda_path_reads_a_steps_flags_at_once(counted_cuda_sim, kind):
     assert v["host_syncs"] <= (2 if kind == "compressed" else 1), v
     if kind != "sync":
         assert v["bytes_per_param"] <= (100 if kind == "compressed" else 80), v
+
+
+def test_a_local_step_on_the_cuda_path_is_one_launch_per_bucket_that_skips_on_the_device(counted_cuda_sim):
+    """A LOCAL step on the CUDA path (under the simulator, P = 1) as on the CPU path: one kernel
+    launch per bucket checks the gradients and takes the step where they are finite, the skip
+    decided on the device (native.local_step_on_device), on the kept denominators: no host
+    synchronisation, no allocation, at most 2·B + 10 torch ops (was no kernel but torch's
+    reference ops: 315 torch ops, 169 allocations, one host synchronisation)."""
+    b, v = counted_cuda_sim["buckets"], counted_cuda_sim["kinds"]["local"]
+    assert v["host_syncs"] == 0 and v["allocations"] == 0 and v["collectives"] == 0, v
+    assert v["numba_launches"] <= b and v["torch_ops"] <= 2 * b + 10, v

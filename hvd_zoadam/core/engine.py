@@ -299,6 +299,17 @@ class Engine:
             d = self.scratch["d"] = torch.empty(max(numel, max(b.numel for b in self.buckets)), device=self.device)
         return d[:numel]
 
+    def skip_flags(self) -> torch.Tensor:
+        """int32[B, 2] on the engine's device, one row per bucket, zeroed when made: what the
+        local step decided on the device counts there (:func:`native.local_step_on_device`:
+        column 0 its running count, 0 between steps; column 1 the last step's count of
+        non-finite gradients). Made again, zeroed, when buckets were added since."""
+        flags = self.scratch.get("skip_flags")
+        if flags is None or flags.shape[0] < len(self.buckets):
+            flags = self.scratch["skip_flags"] = torch.zeros((len(self.buckets), 2), dtype=torch.int32,
+                                                             device=self.device)
+        return flags
+
     def mask_of(self, b: Bucket):
         """The momentum mask in force for bucket ``b`` (None when there is none): the user's,
         and with ``auto_exp_avg_mask`` also :meth:`DerivedFromExpAvgSq.mask`."""
@@ -313,7 +324,7 @@ class Engine:
         """Bytes held: ``state`` (exp_avg, exp_avg_sq, anchor, and float32 master weights for
         fp16/bf16 parameters, uint8 masks), ``error_buffers``, ``gradient_storage`` (each flat
         bucket's gradients, whose views ``p.grad`` become: :meth:`grads`), ``scratch`` (reused every
-        step; on the CPU also the kept denominators of :meth:`denom`) and ``total``. The
+        step; also the kept denominators of :meth:`denom`) and ``total``. The
         parameters' flat storage replaces their own and is not counted."""
         state = sum((3 + (b.master is not None)) * 4 * b.numel + (b.mask is not None) * b.numel
                     for b in self.buckets)
@@ -374,13 +385,14 @@ def grads_finite(engine: Engine) -> bool:
     return native.all_finite_many(engine.grads(b) for b in engine.buckets)
 
 
-def grads_finite_each(engine: Engine) -> list[bool] | None:
-    """Whether each bucket's gradients are all finite, every bucket's read in one host
+def grads_finite_each(engine: Engine, buckets: list[Bucket]) -> list[bool] | None:
+    """Whether each of ``buckets``' gradients are all finite, every bucket's read in one host
     synchronisation, where the local update cannot check them inside its kernel call (CUDA
-    tensors, the simulator); None where it can (:func:`native.on_cpu_path`: nothing read here)."""
-    if not engine.buckets or native.on_cpu_path(engine.buckets[0].exp_avg):
+    tensors, the simulator); None where it can (:func:`native.on_cpu_path`: nothing read here)
+    or ``buckets`` is empty."""
+    if not buckets or native.on_cpu_path(buckets[0].exp_avg):
         return None
-    return native.read_flags([native.finite_flag(engine.grads(b)) for b in engine.buckets])
+    return native.read_flags([native.finite_flag(engine.grads(b)) for b in buckets])
 
 
 def refresh_masks(engine: Engine) -> None:
@@ -393,7 +405,7 @@ def refresh_masks(engine: Engine) -> None:
 
 class DerivedFromExpAvgSq:
     """What an engine derives from its buckets' ``exp_avg_sq`` and keeps between steps: the
-    automatic momentum mask and, on the CPU, the Adam denominators.
+    automatic momentum mask and the Adam denominators.
 
     Each is kept while the tensor's version counter stays. torch's in-place ops move it (a
     VARIANCE step, ``load_state_dict``'s copies), but Horovod's in-place broadcast writes the
@@ -436,15 +448,13 @@ class DerivedFromExpAvgSq:
         """s = sqrt(v̂) + eps of bucket ``b`` (:func:`~hvd_zoadam.core.step_math.adam_denom`),
         float32[n], for reading only.
 
-        On the CPU it is kept per bucket until exp_avg_sq, its bias correction or eps change
-        (after the variance freeze: never), which takes three passes over the bucket off each
-        LOCAL step and six off each SYNC step, for 4 bytes per element held. On a GPU it is
-        recomputed into the engine's scratch where it is used (the passes cost microseconds
-        there, the bytes would be GPU memory). Bitwise the same values either way.
+        Kept per bucket until exp_avg_sq, its bias correction or eps change (after the
+        variance freeze: never), which takes three passes over the bucket, and on a GPU three
+        launches, off each LOCAL step and six off each SYNC step, for 4 bytes per element held
+        (on a GPU, GPU memory): a LOCAL step is then one kernel launch per bucket
+        (:func:`native.local_step_on_device`). Bitwise the values torch's ops give there.
         """
         engine = self._engine()
-        if engine.device.type != "cpu":
-            return step_math.adam_denom(b.exp_avg_sq, h, out=engine.scratch_d(b.numel))
         key = (b.exp_avg_sq._version, b.exp_avg_sq.data_ptr(), h.bias_correction2, h.eps)
         cached = self._denoms.get(id(b))
         if cached is None or cached[0] != key:

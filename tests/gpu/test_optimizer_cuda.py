@@ -142,3 +142,60 @@ def test_parameters_on_two_devices_are_refused_naming_both():
         hvd_zoadam.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                         named_parameters=model.named_parameters(),
                                         transport=hvd_zoadam.comm.thread.ThreadGroup(1).transports()[0])
+
+
+LOCAL_KNOBS = dict(var_freeze_step=1, local_step_policy="steps", local_step_scaler=1, local_step_clipper=1 << 20)
+
+
+def local_steps(dtype, cuda_kernels: bool, nan_step: int):
+    """Parameters and momenta of a small model in several buckets after a VARIANCE step, two
+    SYNC steps and six LOCAL steps (P = 1), the gradients drawn alike; at step ``nan_step`` a
+    NaN in the third parameter's gradient. Returns (parameters after each step, exp_avg of
+    each parameter, the device's skip counts after each LOCAL step: None off the CUDA path)."""
+    native.use_cuda_kernels_on_cpu(cuda_kernels)
+    gen = torch.Generator().manual_seed(5)
+    model = torch.nn.Module()
+    for i, n in enumerate((300, 257, 1000, 64, 700)):
+        model.register_parameter(f"p{i}", torch.nn.Parameter((torch.randn(n, generator=gen) * 0.1).to(dtype)))
+
+    def body(rank, transport):
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                              named_parameters=model.named_parameters(), transport=transport,
+                                              bucket_cap_mb=1000 * 4 / 2 ** 20, **LOCAL_KNOBS)
+        seen, counts = [], []
+        for t in range(1, 10):
+            for i, p in enumerate(model.parameters()):
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+                if t == nan_step and i == 2:
+                    p.grad[7] = float("nan")
+            opt.step()
+            seen.append([p.detach().clone() for p in model.parameters()])
+            flags = opt._engine.scratch.get("skip_flags")
+            counts.append(None if flags is None else flags[:, 1].tolist())
+        assert {opt.schedule.kind(t, lr=1e-2, freeze_lr=1e-2) for t in range(4, 10)} == {StepKind.LOCAL}
+        assert len(opt._buckets) > 1
+        return seen, [opt.state[p]["exp_avg"].clone() for p in model.parameters()], counts[3:]
+    return run_threads(1, body, timeout_s=600)[0]
+
+
+@pytest.mark.skipif(not SIM, reason="compares the CUDA path with the CPU path on the same CPU tensors")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_local_steps_on_the_cuda_path_are_bitwise_the_cpu_paths(dtype):
+    """LOCAL steps on the CUDA path (a launch per bucket that decides the skip on the device,
+    native.local_step_on_device) against the CPU path's (the CPU kernel, which checks g in its
+    call) bit for bit, float16/bfloat16 parameters through their float32 master weights; at
+    the step whose gradient holds a NaN its bucket stands still on both, the others step."""
+    nan_step = 6
+    got = local_steps(dtype, True, nan_step)
+    want = local_steps(dtype, False, nan_step)
+    native.use_cuda_kernels_on_cpu(True)
+    for step, (a, b) in enumerate(zip(got[0], want[0]), start=1):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+    assert all(torch.equal(x, y) for x, y in zip(got[1], want[1]))
+    before, after = got[0][nan_step - 2], got[0][nan_step - 1]
+    assert torch.equal(before[2], after[2]) and not torch.equal(before[0], after[0])
+    # the skip was the device's: one non-finite gradient counted in one bucket's row, at that step only
+    third = [0] * len(got[2][0])
+    third[next(i for i, c in enumerate(got[2][nan_step - 4]) if c)] = 1
+    assert got[2] == [third if t == nan_step else [0] * len(third) for t in range(4, 10)], got[2]
+    assert want[2] == [None] * 6

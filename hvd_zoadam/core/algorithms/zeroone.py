@@ -178,15 +178,34 @@ class ZeroOneAdam:
                                     **self.local_scalars(engine, h))
         return x
 
+    def local_update_on_device(self, engine: Engine, row: int, h: step_math.Hyper) -> bool:
+        """LOCAL steps 1–2 on bucket ``engine.buckets[row]`` off the CPU path in one kernel launch
+        that checks g and skips on the device (:func:`native.local_step_on_device`, its count in
+        row ``row`` of :meth:`Engine.skip_flags`), x stored into the parameters; nothing read on
+        the host. Returns False, taking no step, where that kernel does not take the bucket (the
+        CPU path, whose own kernel call checks g; see :func:`native.local_step_on_device`)."""
+        b = engine.buckets[row]
+        if native.on_cpu_path(b.exp_avg):
+            return False
+        x = engine.load_x(b)
+        if not native.local_step_on_device(engine.grads(b), x, b.exp_avg, engine.denom(b, h), engine.skip_flags(),
+                                           row, mask=engine.mask_of(b), **self.local_scalars(engine, h)):
+            return False
+        engine.store_x(b, x)
+        return True
+
     def local_step(self, ctx: StepContext, k: int) -> None:
-        """LOCAL on every bucket; off the CPU path every bucket's finiteness is read first, in
-        one host synchronisation (not one per bucket)."""
+        """LOCAL on every bucket: off the CPU path one launch per bucket decides its skip on the
+        device (:meth:`local_update_on_device`); the buckets that kernel does not take have
+        their finiteness read first, in one host synchronisation (not one per bucket)."""
         engine = ctx.engine
-        finite = grads_finite_each(engine)
-        for i, b in enumerate(engine.buckets):
-            h = engine.hyper(b, ctx.step, k)
+        hypers = [engine.hyper(b, ctx.step, k) for b in engine.buckets]
+        rest = [i for i in range(len(engine.buckets)) if not self.local_update_on_device(engine, i, hypers[i])]
+        finite = grads_finite_each(engine, [engine.buckets[i] for i in rest])
+        for j, i in enumerate(rest):
+            b, h = engine.buckets[i], hypers[i]
             engine.store_x(b, self.local_update(engine, b, h, engine.denom(b, h),
-                                                finite=None if finite is None else finite[i]))
+                                                finite=None if finite is None else finite[j]))
         advance_window(engine.param_groups)
 
     def sync_step(self, ctx: StepContext, k: int) -> None:
