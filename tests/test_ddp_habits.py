@@ -3,7 +3,9 @@ nothing (as ``torch.optim.Adam.step()`` without gradients), ``hvd.broadcast_opti
 leaves the gradients as it found them, and DDP's accumulation loop runs with the optimizer's
 ``no_sync()`` in the model's.
 
-Thread-rank and one-process runs, each against the same run without the habit, bit for bit.
+A real job (``horovodrun --gloo -np 2``) runs tests/mp/worker_ddp_habits.py; the thread-rank and
+one-process tests below check the same points in detail, each against the same run without the
+habit, bit for bit.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import hvd_zoadam
-from conftest import run_threads
+from conftest import load_ranks, run_job, run_threads
 from hvd_zoadam.comm.thread import ThreadGroup
 
 sys.path.insert(0, str(Path(__file__).parent / "mp"))
@@ -184,3 +186,23 @@ def test_more_passes_than_backward_passes_per_step_names_no_sync():
         common.loss_fn(net, 2, 0).backward()
     with pytest.raises(AssertionError, match=r"Increase backward_passes_per_step(.|\n)*with opt.no_sync\(\)"):
         common.loss_fn(net, 3, 0).backward()
+
+
+# -- a real job ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_job_horovods_habits_broadcast_then_a_step_without_gradient(tmp_path):
+    """Under horovodrun: hvd.broadcast_optimizer_state leaves every p.grad None (hvd_zoadam's
+    state exists from construction, so Horovod's function runs no dummy zero-gradient step, as
+    for an optimizer that has stepped); a step() right after it, and more at later steps, with
+    no gradient on any rank, change nothing: the run is the run without them, bit for bit."""
+    run_job("gloo", 2, ["tests/mp/worker_ddp_habits.py", str(tmp_path)], timeout_s=420,
+            env={"HVD_ZOADAM_TIMEOUT_S": "30"})
+    ranks = load_ranks(tmp_path, 2)
+    for r in ranks:
+        assert not r["errors"], r["errors"]
+        assert r["grads_after_broadcast"] == [None] * 4, r["grads_after_broadcast"]
+        assert r["unchanged"] == [True] * 4, r["unchanged"]
+        assert r["digests"] == r["reference_digests"]
+        assert {"compressed", "local", "sync", "variance"} <= set(r["kinds"])
+    assert ranks[0]["digests"] == ranks[1]["digests"]
