@@ -76,7 +76,12 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, Param
     and ``anchor`` (float32 views of flat per-bucket buffers), so ``state_dict()``,
     ``torch.save`` and ``hvd.broadcast_optimizer_state`` work as with Adam. All state
     is created at construction: no collective runs there (elastic forbids it), and
-    ``broadcast_optimizer_state`` never needs its dummy zero-gradient ``step()``.
+    ``broadcast_optimizer_state`` never needs its dummy zero-gradient ``step()``. So it leaves
+    ``p.grad`` as it found it (None before the first ``backward()``), where for a fresh
+    ``torch.optim.Adam`` Horovod's leaves zeros: a ``step()`` then, with no gradient on any
+    rank, changes nothing, as torch's Adam does without gradients (zeros would be a step).
+    Such a step changes nothing wherever the ranks compare it (the first step, and where
+    overlap is armed); at any other step a rank without a gradient raises.
     The step counters live in ``param_groups[0]["zoadam"]`` (``step``,
     ``exp_avg_sq_steps``, ``freeze_lr``) and each group holds the window's
     ``lr_sum`` (Λ) and ``decay_product``; they are identical on all ranks and travel
