@@ -8,6 +8,7 @@ with its provenance (``--json PATH`` also writes it).
 * ``kernels`` (:mod:`.kernels`): the compressor kernels against copy bandwidth.
 * ``model`` (:mod:`.model`): an alpha-beta model of step time, validated and projected.
 * ``convergence``, ``scaling`` (:mod:`.convergence`): quality at P simulated workers.
+* ``sweep`` (:mod:`.sweep`): the library's defaults against Adam over random set-ups and seeds.
 * ``resume`` (:mod:`.resume`), ``chaos`` (:mod:`.chaos`), ``load`` (:mod:`.load`),
   ``torchrun`` (:mod:`.torchrun`): resumes, faults, large layouts, a torchrun user's script.
 """
@@ -18,9 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from hvd_zoadam.bench import chaos, convergence, kernels, load, model, network, provenance, resume, step, torchrun
+from hvd_zoadam.bench import (chaos, convergence, kernels, load, model, network, provenance, resume, step, sweep,
+                              torchrun)
 
-COMMANDS = (network, step, kernels, model, convergence, resume, load, chaos, torchrun)
+COMMANDS = (network, step, kernels, model, convergence, sweep, resume, load, chaos, torchrun)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         report = args.run(args)
-    except convergence.BaselineError as exc:
+    except (convergence.BaselineError, sweep.SweepError) as exc:
         print(f"{ap.prog} {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
     if report is None:  # a rank that does not report (bench load: only rank 0)

@@ -180,13 +180,23 @@ def _val_loss(work: Workload, names, ranks_params) -> float:
     return sum(losses) / len(losses)
 
 
+def _l2(args) -> bool:
+    """Whether the run's weight decay is Adam's L2 (``--weight-decay-style l2``: ``torch.optim.Adam``'s
+    ``weight_decay`` on every parameter) rather than AdamW's decoupled decay of the matrices."""
+    return getattr(args, "weight_decay_style", "decoupled") == "l2"
+
+
 def _adam(names, init, grad_fn, lr_fn, decay_of, args, batched=False) -> list:
-    """AdamW on the exact average of the P gradients, every step; returns the final params.
-    ``batched``: ``grad_fn`` is :func:`_batched_grad_fn`'s."""
+    """AdamW on the exact average of the P gradients, every step (with ``--weight-decay-style
+    l2``, Adam with L2 on every parameter); returns the final params. ``batched``: ``grad_fn``
+    is :func:`_batched_grad_fn`'s."""
     xs = [x.clone() for x in init]
-    groups = [{"params": [x for x, n in zip(xs, names) if decay_of(n)], "weight_decay": args.weight_decay},
-              {"params": [x for x, n in zip(xs, names) if not decay_of(n)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2))
+    if _l2(args):  # Adam's L2: one group, every parameter
+        opt = torch.optim.Adam(xs, lr=args.lr, betas=(0.9, args.beta2), weight_decay=args.weight_decay)
+    else:
+        groups = [{"params": [x for x, n in zip(xs, names) if decay_of(n)], "weight_decay": args.weight_decay},
+                  {"params": [x for x, n in zip(xs, names) if not decay_of(n)], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, args.beta2))
     for t in range(1, args.steps + 1):
         if batched:  # float32[P, n] -> the ranks' gradients as lists of tensors
             flat = torch.cat([x.detach().reshape(-1) for x in xs]).expand(args.ranks, -1)
@@ -286,8 +296,9 @@ def _variant_row(name: str, work: Workload, init: list, args) -> dict:
         final = [_adam(names, init, grad_fn, work.lr_fn, decay_of, args, batched)]
         trace, kinds = None, None
     else:
-        weight_decay = torch.cat([torch.full((p.numel(),), args.weight_decay if p.dim() >= 2 else 0.0)
-                                  for p in model.parameters()])
+        weight_decay = args.weight_decay if _l2(args) else \
+            torch.cat([torch.full((p.numel(),), args.weight_decay if p.dim() >= 2 else 0.0)
+                       for p in model.parameters()])
         try:
             final, trace, kinds = _zoadam(name, init, grad_fn, args, work.lr_fn, weight_decay, batched)
         except FloatingPointError as exc:  # a diverged variant is a result, not a crash
@@ -302,6 +313,8 @@ def _variant_row(name: str, work: Workload, init: list, args) -> dict:
         loss = _val_loss(work, names, final)
     row = {"val_loss": loss, "wall_s": round(time.perf_counter() - start, 1),
            **_bytes(name, kinds, [p.numel() for p in init], args)}
+    if kinds:  # the first step after the variance freeze
+        row["frozen_at"] = next((t for t, k in enumerate(kinds, 1) if k in (StepKind.LOCAL, StepKind.SYNC)), None)
     if curve:
         row["curve"] = [[t, sum(v) / len(v)] for t, v in sorted(curve.items())] + [[args.steps, loss]]
     if trace:
@@ -338,7 +351,7 @@ def _zoadam(name, init, grad_fn, args, lr_fn, weight_decay, batched=False):
     trace = []
     fns = {"batched_grad_fn": grad_fn} if batched else {"grad_fn": grad_fn}
     final, kinds = simulate_zoadam(init, world_size=args.ranks, steps=args.steps, schedule=schedule, lr_fn=lr_fn,
-                                   betas=(0.9, args.beta2), weight_decay=weight_decay, decoupled=True,
+                                   betas=(0.9, args.beta2), weight_decay=weight_decay, decoupled=not _l2(args),
                                    scale_block_numel=scale, trace=trace, stacked=batched,
                                    auto_freeze=auto_freeze, **fns, **overrides)
     return final, trace, kinds
@@ -423,16 +436,20 @@ def _non_negative_int(text: str) -> int:
 
 def _add_knobs(parser) -> None:
     """The model, 0/1 Adam and oracle arguments shared by ``convergence`` and ``scaling``."""
-    parser.add_argument("--workload", choices=["lm", "digits", "gru"], default="lm",
+    parser.add_argument("--workload", choices=["lm", "digits", "gru", "mlp"], default="lm",
                         help="lm: the char LM of examples/train_lm.py; digits: the CNN of examples/train_digits.py "
                              "(give it that example's settings: --beta2 0.999 --weight-decay 0 --batch-size 32 "
                              "--steps 300 --var-freeze-step 50 --var-update-scaler 4 --local-step-scaler 50 "
                              "--local-step-clipper 4 --local-step-policy steps); gru: a char-level GRU of "
                              "--n-layer layers of width --n-embd on the Python standard library's sources "
-                             "(give it --beta2 0.999)")
+                             "(give it --beta2 0.999); mlp: an MLP of width --n-embd on a teacher network's "
+                             "labels (data made by torch from --seed)")
     parser.add_argument("--steps", type=int, default=400)
     add_model_arguments(parser)
     parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--weight-decay-style", choices=["decoupled", "l2"], default="decoupled",
+                        help="decoupled: AdamW's, on the matrices only; l2: Adam's L2 (weight_decay of "
+                             "torch.optim.Adam) on every parameter")
     parser.add_argument("--beta2", type=float, default=0.98)
     parser.add_argument("--var-freeze-step", type=int, default=None)
     parser.add_argument("--var-update-scaler", type=int, default=8)
