@@ -19,8 +19,19 @@ import json
 import sys
 from pathlib import Path
 
-from hvd_zoadam.bench import (chaos, convergence, kernels, load, model, network, provenance, resume, step, sweep,
-                              torchrun)
+from hvd_zoadam.bench import (
+    chaos,
+    convergence,
+    kernels,
+    load,
+    model,
+    network,
+    provenance,
+    resume,
+    step,
+    sweep,
+    torchrun,
+)
 
 COMMANDS = (network, step, kernels, model, convergence, sweep, resume, load, chaos, torchrun)
 

@@ -220,7 +220,8 @@ def summarise(report: dict, setups: list) -> None:
             continue
         adam, zo = statistics.fmean(loss["adam"]), statistics.fmean(loss["zoadam"])
         gap = zo / adam - 1
-        ratio = statistics.fmean(z["bytes_per_rank"] / a["bytes_per_rank"] for a, z in zip(rows["adam"], rows["zoadam"]))
+        ratio = statistics.fmean(z["bytes_per_rank"] / a["bytes_per_rank"]
+                                 for a, z in zip(rows["adam"], rows["zoadam"]))
         allowed = min(max(GOAL["gap"], _spread(loss["adam"])), GOAL["worst"])
         passed = gap <= allowed and (setup["steps"] < GOAL["long_steps"] or ratio <= GOAL["bytes_long"])
         out.update(adam_mean=adam, adam_spread=_spread(loss["adam"]), zoadam_mean=zo,
