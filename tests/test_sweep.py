@@ -126,3 +126,19 @@ def test_the_pass_rule():
     assert not _report([1.0], [1.0], steps=1000, ratio=0.16)["passed"]
     assert _report([1.0], [1.0], steps=999, ratio=0.5)["passed"]
     assert not _report([1.0], [math.nan])["passed"]
+
+
+def test_a_variant_run_on_chosen_setups_reports_its_gap_and_freeze_2w_freezes_where_it_says(tmp_path):
+    report = sweep.run(_args([*QUICK, "--only", "1", "--variants", "exact-compressed,freeze-2w"]))
+    assert sorted(k for k in report["runs"] if k.startswith("0/")) == []
+    row = report["setups"]["1"]
+    assert set(row["variants"]) == {"exact-compressed", "freeze-2w"}
+    losses = [report["runs"][f"1/{s}/freeze-2w"]["val_loss"] for s in (0, 1)]
+    assert row["variants"]["freeze-2w"] == pytest.approx(sum(losses) / 2 / row["adam_mean"] - 1)
+    setup = {"workload": "mlp", "lr": 3e-3, "beta2": 0.95, "steps": 12, "warmup": 2, "lr_schedule": "constant",
+             "weight_decay": 0.0, "weight_decay_style": "decoupled", "batch_size": 4}
+    assert sweep.freeze_without_floor(setup) == 5  # max(2 * 2, ceil(0.25 / 0.05))
+    assert sweep.run_one(setup, 0, "freeze-2w", _args(QUICK))["frozen_at"] == 6
+    assert sweep.run_one(setup, 0, "zoadam", _args(QUICK))["frozen_at"] is None  # the floor: 120 steps
+    with pytest.raises(sweep.SweepError, match="unknown \\['exact'\\]"):
+        sweep.run(_args([*QUICK, "--variants", "exact"]))

@@ -362,7 +362,8 @@ def _schedule(args, sched_overrides: dict):
     ``--library-defaults`` the optimizer's own defaults as it decides them at ``args.ranks``
     ranks (:func:`~hvd_zoadam.shell.options.resolve_schedule`; the knob arguments are not read),
     else the knob arguments (``--var-freeze-step`` defaults to ``--warmup``); then the variant's
-    overrides (a freeze of ``"2x"``: twice the freeze; ``"steps"``: never within the run)."""
+    overrides (a freeze of ``"2x"``: twice the freeze; ``"steps"``: never within the run; an int:
+    that step)."""
     from hvd_zoadam.shell.options import resolve_schedule
     from hvd_zoadam.shell.torch_distributed import KNOBS
     names = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "local_step_policy",
@@ -373,7 +374,7 @@ def _schedule(args, sched_overrides: dict):
         knobs = {name: getattr(args, name) for name in names}
         knobs["var_freeze_step"] = args.var_freeze_step or args.warmup
     for key, value in sched_overrides.items():
-        if key == "var_freeze_step":  # "2x": twice the freeze; "steps": never within the run
+        if key == "var_freeze_step" and isinstance(value, str):  # "2x": twice the freeze; "steps": never
             value = {"2x": 2 * knobs["var_freeze_step"], "steps": args.steps}[value]
         knobs[key] = value
     return resolve_schedule(args.ranks, args.beta2, **knobs)

@@ -116,15 +116,33 @@ def run_args(setup: dict, seed: int, args: argparse.Namespace) -> argparse.Names
         threads=args.threads, eval_every=0)
 
 
+def freeze_without_floor(setup: dict) -> int:
+    """T_f of the ``freeze-2w`` variant: what ``var_freeze_step="auto"`` decides on this set-up
+    without its floor of 32 updates of v: max(2·warm-up, ⌈(1/4)/(1 − β2)⌉)."""
+    return max(2 * setup["warmup"], math.ceil(0.25 / (1 - setup["beta2"])))
+
+
+def check_variants(names: list) -> None:
+    """Raise :class:`SweepError` for a name that is neither ``adam``, ``freeze-2w`` nor a
+    ``bench convergence`` variant."""
+    bad = [n for n in names if n not in ("adam", "freeze-2w", *convergence.VARIANTS)]
+    if bad:
+        raise SweepError(f"--variants: unknown {bad}; choose from adam, freeze-2w, {', '.join(convergence.VARIANTS)}")
+
+
 def run_one(setup: dict, seed: int, variant: str, args: argparse.Namespace) -> dict:
     """One run's row (``bench convergence``'s: ``val_loss``, ``bytes_per_rank``, ``wall_s``, and for
-    0/1 Adam ``kinds`` and ``frozen_at``): ``variant`` (``"adam"`` or ``"zoadam"``) on the set-up
-    with this seed."""
+    0/1 Adam ``kinds`` and ``frozen_at``): ``variant`` on the set-up with this seed: ``"adam"``,
+    ``"zoadam"`` (the library's defaults), a ``bench convergence`` variant (one part switched off,
+    on top of the defaults), or ``"freeze-2w"`` (the defaults with T_f = :func:`freeze_without_floor`)."""
     one = run_args(setup, seed, args)
     work = build(setup["workload"], convergence._examples(), one)
     factor = lr_factor(setup["lr_schedule"], setup["warmup"], setup["steps"])
     work.lr_fn = lambda t: setup["lr"] * factor(t)
     init = [p.detach().clone() for p in work.model.parameters()]
+    if variant == "freeze-2w":
+        variant = f"freeze-at-{freeze_without_floor(setup)}"
+        convergence.VARIANTS.setdefault(variant, ({}, {"var_freeze_step": freeze_without_floor(setup)}))
     return convergence._variant_row(variant, work, init, one)
 
 
@@ -176,11 +194,17 @@ def run(args: argparse.Namespace) -> dict:
     report = load_report(args.json, _settings(args))
     import torch
     torch.set_num_threads(args.threads)
+    variants = list(dict.fromkeys([*VARIANTS, *args.variants.split(",")]))
+    check_variants(variants)
     setups = [capped(draw(args.space_seed, i), args.max_steps) for i in range(args.setups)]
+    only = range(args.setups) if not args.only else [int(i) for i in args.only.split(",")]
+    if any(not 0 <= i < args.setups for i in only):
+        raise SweepError(f"--only {args.only}: set-ups are numbered 0 .. {args.setups - 1}")
     report["setups"] = {str(i): {"setup": s} for i, s in enumerate(setups)}
-    for i, setup in enumerate(setups):
+    for i in only:
+        setup = setups[i]
         for seed in range(args.seeds):
-            for variant in VARIANTS:
+            for variant in variants:
                 key = _key(i, seed, variant)
                 if key in report["runs"]:
                     continue
@@ -228,12 +252,25 @@ def summarise(report: dict, setups: list) -> None:
                    zoadam_spread=_spread(loss["zoadam"]), gap=gap, allowed_gap=allowed,
                    gap_per_seed=[z / a - 1 for a, z in zip(loss["adam"], loss["zoadam"])],
                    bytes_vs_adam=ratio, frozen_at=[r.get("frozen_at") for r in rows["zoadam"]], passed=passed)
+        out["variants"] = _variant_gaps(report, i, seeds, adam)
         done.append((i, gap, out))
     passed = sum(1 for _, _, out in done if out["passed"])
     worst = sorted(done, key=lambda d: -d[1])[:3]
     report["summary"] = {"setups_done": len(done), "setups": len(setups), "passed": passed,
                          "pass_rate": passed / len(done) if done else None, "goal": GOAL,
                          "worst": [{"setup": i, "gap": out.get("gap"), **out["setup"]} for i, _, out in worst]}
+
+
+def _variant_gaps(report: dict, index: int, seeds: int, adam: float) -> dict:
+    """Set-up ``index``'s other variants (``--variants``) run over every seed: the gap of their
+    mean to Adam's mean ``adam``."""
+    names = {k.split("/")[2] for k in report["runs"] if k.startswith(f"{index}/")} - set(VARIANTS)
+    out = {}
+    for name in sorted(names):
+        rows = [report["runs"].get(_key(index, s, name)) for s in range(seeds)]
+        if all(r is not None for r in rows):
+            out[name] = statistics.fmean(r["val_loss"] for r in rows) / adam - 1
+    return out
 
 
 def plot(report: dict, path: str) -> None:
@@ -267,6 +304,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--seeds", type=int, default=3, help="seeds per set-up (0 .. S-1)")
     sw.add_argument("--ranks", type=int, default=8, help="P, the simulated workers")
     sw.add_argument("--space-seed", type=int, default=0, help="which draws of the space")
+    sw.add_argument("--variants", default="zoadam",
+                    help="0/1 Adam variants to run besides Adam and the defaults (zoadam), to find which part "
+                         "costs the quality: any of bench convergence's (e.g. exact-compressed, exact-sync, "
+                         "no-local-steps) and freeze-2w (the freeze without its floor of 32 updates of v); each "
+                         "set-up's gaps in setups[i].variants")
+    sw.add_argument("--only", help="comma-separated set-up numbers to run (default: all of --setups)")
     sw.add_argument("--max-steps", type=int, default=0,
                     help="cap every set-up's steps (its warm-up shortened in proportion): a quick look, not the "
                          "sweep (0: the steps as drawn)")
