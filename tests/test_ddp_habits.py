@@ -188,6 +188,70 @@ def test_more_passes_than_backward_passes_per_step_names_no_sync():
         common.loss_fn(net, 3, 0).backward()
 
 
+# -- clipping as DDP writes it ---------------------------------------------------------------------
+
+def clipped(rank, transport, scaler: str, overlap: bool):
+    """STEPS steps that clip after backward() as a DDP script does (no synchronize()), through a
+    GradScaler (``scaler``: "enabled", "disabled") or none ("absent"). Returns (parameters, the
+    bytes sent after each step)."""
+    net = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=common.LR),
+                                          named_parameters=net.named_parameters(), transport=transport,
+                                          overlap=overlap, **KNOBS)
+    amp = None if scaler == "absent" else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
+                                                               enabled=scaler == "enabled")
+    sent = []
+    for t in range(1, STEPS + 1):
+        opt.zero_grad()
+        loss = common.loss_fn(net, t, rank)
+        if amp is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            opt.step()
+        else:
+            amp.scale(loss).backward()
+            amp.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            amp.step(opt)
+            amp.update()
+        sent.append(opt.comm_stats()["bytes_sent_total"])
+    return [p.detach().clone() for p in net.parameters()], sent
+
+
+def warned(fn) -> tuple:
+    """``(fn()'s result, the texts of the warnings its thread-ranks gave)``: recorded around the
+    whole run, since warnings.catch_warnings is process-wide."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("scaler", ["absent", "disabled", "enabled"])
+def test_clipping_after_backward_exchanges_at_most_one_step_twice(scaler):
+    """Clipping between backward() and step(), as DDP scripts do: the parameters are those of
+    overlap=False (the gradient exchanged as the script leaves it), at most one step sends its
+    exchange twice (the first whose exchange started during backward(); none under an enabled
+    GradScaler, which starts nothing there), and hvd_zoadam warns at most once per rank."""
+    got, texts = warned(lambda: run_threads(2, lambda rank, transport: clipped(rank, transport, scaler, True)))
+    want, ref_texts = warned(lambda: run_threads(2, lambda rank, transport: clipped(rank, transport, scaler, False)))
+    for rank in range(2):
+        params, sent = got[rank]
+        ref_params, ref_sent = want[rank]
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+        per_step = [b - a for a, b in zip([0, *ref_sent], ref_sent)]
+        extra = sent[-1] - ref_sent[-1]
+        assert 0 <= extra <= max(per_step) + 64, (extra, per_step)  # one step again, and its 4-byte flags
+        if scaler == "enabled":
+            assert extra == 0
+    assert not ref_texts, ref_texts
+    if scaler == "enabled":
+        assert not texts, texts
+    else:  # once per rank, not once per step
+        assert len(texts) == 2 and all("from now on this optimizer starts no exchange" in w for w in texts), texts
+
+
 # -- a real job ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(600)

@@ -98,7 +98,8 @@ class StepAgreement:
         synchronize()): the early
         exchanges are completed and their results dropped, and the step exchanges the
         gradients as they are now, like overlap=False (a COMPRESSED step's early worker side
-        only staged its error: ``worker_error`` is untouched until round 2)."""
+        only staged its error: ``worker_error`` is untouched until round 2), and no later step
+        arms overlap (:meth:`_can_overlap`): at most one step is exchanged twice."""
         mine = (GRADS_CHANGED if self._grads_changed_here() else 0) | (NO_GRADIENT if no_gradient else 0)
         flags = step_flags(self.transport, self._collectives, step, mine)
         if not any(flags):
@@ -112,13 +113,16 @@ class StepAgreement:
             self._reset_passes()
             raise RuntimeError("hvd_zoadam: " + _no_backward_message(
                 f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
-        if not self._warned_changed:
-            self._warned_changed = True
-            warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
-                          "(overlap with the backward pass, as in hvd.DistributedOptimizer); the step exchanges "
-                          "them again as they are now, which doubles its traffic. To modify gradients (e.g. clip "
-                          "them) call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`, "
-                          "or build the optimizer with overlap=False.")
+        # The script modifies its gradients between backward() and step() (clipping as DDP scripts do):
+        # every rank saw the flag, so every rank stops starting exchanges in backward() alike.
+        self._modified_after_backward = self._warned_changed = True
+        warnings.warn("hvd_zoadam: gradients changed after backward() had already started their exchange "
+                      "(overlap with the backward pass, as in hvd.DistributedOptimizer); this step exchanges "
+                      "them again as they are now, and from now on this optimizer starts no exchange during "
+                      "backward(), so that what step() exchanges is the gradient as the script leaves it (e.g. "
+                      "clipped locally). To clip what the step uses instead (the average in VARIANCE steps), "
+                      "call opt.synchronize() first and then `with opt.skip_synchronize(): opt.step()`; "
+                      "overlap=False says the same from the first step, without this warning.")
         return False
 
     def _announced(self, step: int) -> int:

@@ -56,6 +56,7 @@ class StepDriver:
     _overlap: Overlap
     _ready: bool                 # construction is complete
     _amp_seen: bool              # a torch.amp.GradScaler drove a step: nothing starts from the hooks
+    _modified_after_backward: bool  # gradients changed after the hooks started: nothing starts from them
     _checked_layout: bool        # the first step's settings check passed
     _pending: tuple | None       # (step, kind, skip) prepared by synchronize()
     _synchronized: bool
@@ -97,8 +98,9 @@ class StepDriver:
         # Not before the first step's settings check (a mismatch must fail fast, not hang in a
         # collective), and not under a GradScaler (its scale is known only in step()).
         # Nor right after loading an Adam checkpoint: the anchor and error buffers are set in synchronize().
+        # Nor once the script was seen modifying its gradients after backward() (e.g. clipping them).
         return (self.overlap and self.transport.supports_async and self.world_size > 1 and self._checked_layout
-                and not self._amp_seen and not self._counters.get(ADOPT_KEY)
+                and not self._amp_seen and not self._modified_after_backward and not self._counters.get(ADOPT_KEY)
                 and self._pending is None and self._ready)
 
     def _launch(self, window, bi: int) -> None:

@@ -165,6 +165,7 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, Param
         self._exchanged = False       # p.grad holds this step's exchange result
         self._checked_layout = False
         self._amp_seen = False
+        self._modified_after_backward = False
         self._warned_changed = False
         self._warned_unsynchronized = False
         self._sync_started = {}       # SYNC: id(bucket) -> round 1 the hooks started, for step()
