@@ -7,7 +7,11 @@ README's one-line change to 0/1 Adam.
 A 2-layer causal transformer LM on a synthetic Markov language (each token has a few likely
 successors), AdamW with a linear warm-up and a cosine decay built on the AdamW before anything
 wraps it, as existing scripts do. With ``--optimizer zoadam`` the DDP wrapper is dropped and the
-AdamW is wrapped by ``hvd_zoadam.distributed.DistributedOptimizer`` with no knob set. Rank 0
+AdamW is wrapped by ``hvd_zoadam.distributed.DistributedOptimizer`` with no knob set.
+``--accumulate N`` accumulates N micro-batches per step as DDP scripts do, all but the last
+inside ``no_sync()`` (the model's under DDP, the optimizer's under 0/1 Adam: the one other
+line that changes); ``--clip C`` clips the gradient norm to C between ``backward()`` and
+``step()``, as DDP scripts do (under 0/1 Adam: the local gradient, before its exchange). Rank 0
 prints one JSON line: the optimizer, wall time, steps per second, the final validation loss and,
 for 0/1 Adam, the bytes sent as a fraction of Adam's. ``python -m hvd_zoadam.bench torchrun``
 runs both in one invocation.
@@ -15,6 +19,7 @@ runs both in one invocation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -76,6 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no_sync() for all but one)")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this after backward() (0: off)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo")
@@ -88,20 +95,26 @@ def main(argv=None) -> None:
         1 + math.cos(math.pi * min(1.0, max(0, t + 1 - args.warmup) / max(1, args.steps - args.warmup))))))
     if args.optimizer == "ddp":
         train_model = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        no_sync = train_model.no_sync
     else:
         import hvd_zoadam.distributed as zd
         train_model = model
         opt = zd.DistributedOptimizer(opt, model.named_parameters())
         zd.broadcast_parameters(model.state_dict(), root_rank=0)
+        no_sync = opt.no_sync
 
     data = torch.Generator().manual_seed(1000 + rank)
     held_out = sample(probs, 64, args.length, torch.Generator().manual_seed(99))
     dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
-        loss = lm_loss(train_model, sample(probs, args.batch_size, args.length, data))
         opt.zero_grad()
-        loss.backward()
+        for micro in range(args.accumulate):
+            with no_sync() if micro < args.accumulate - 1 else contextlib.nullcontext():
+                loss = lm_loss(train_model, sample(probs, args.batch_size, args.length, data))
+                (loss / args.accumulate).backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         schedule.step()
     dist.barrier()
