@@ -471,24 +471,41 @@ def local_step_on_device(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch
     Raises:
         ValueError: tensors on more than one device.
     """
-    tensors = (grad, param, exp_avg, denom) + (() if mask is None else (mask,))
-    if not (all(t.is_contiguous() for t in tensors) and _on_cuda(*tensors, flags)
-            and all(t.dtype == torch.float32 for t in tensors[:4]) and local_step_fuses(**step)
-            and (grad.device.type != "cpu" or _kernel_matches_torch())):
+    if not _device_kernel_takes((grad, param, exp_avg, denom), mask, flags, step):
         return False
     from . import cuda as _cuda
     _cuda.local_step_if_finite(grad, param, exp_avg, denom, mask, flags, row, _scalars(**step))
     return True
 
 
+def _device_kernel_takes(tensors: tuple, mask, flags: torch.Tensor, step: dict) -> bool:
+    """Whether the CUDA kernels of the local step take these: float32 ``tensors``, contiguous
+    as ``mask`` is, all on the CUDA path with ``flags``, scalars that :func:`local_step_fuses`
+    and, on CPU tensors (the simulator), a torch whose CPU ops the kernels match."""
+    every = tensors + (() if mask is None else (mask,))
+    return (all(t.is_contiguous() for t in every) and _on_cuda(*every, flags)
+            and all(t.dtype == torch.float32 for t in tensors) and local_step_fuses(**step)
+            and (tensors[0].device.type != "cpu" or _kernel_matches_torch()))
+
+
 def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
                         anchor: torch.Tensor, out: torch.Tensor, *, decay_product: float = 1.0,
-                        mask: torch.Tensor | None = None, **step: float | None) -> bool:
+                        mask: torch.Tensor | None = None, flags: torch.Tensor | None = None, row: int = 0,
+                        **step: float | None) -> bool:
     """SYNC steps 1–3 on one tensor, bitwise :func:`reference.local_window_update` (same
     arguments and result): on the CPU one pass that writes only ``out``, and counts the
     non-finite gradients on the way. Returns whether ``grad`` is all finite. Off the CPU (CUDA,
     the simulator) nothing is read on the host: where ``grad`` is not finite ``out`` is
-    already the skipped step's (``select``), and it returns True."""
+    already the skipped step's, and it returns True. There, given ``flags`` (as
+    :func:`local_step_on_device`'s, the count landing in ``flags[row, 1]``), one launch of a
+    CUDA kernel checks ``grad`` and writes ``out`` where the kernels take the tensors
+    (:func:`local_step_on_device`'s conditions); else torch's ops choose (``select``)."""
+    tensors = (grad, param, exp_avg, denom, anchor, out)
+    if flags is not None and _device_kernel_takes(tensors, mask, flags, step):
+        from . import cuda as _cuda
+        _cuda.local_window_update(grad, param, exp_avg, denom, mask, anchor, out, flags, row, _scalars(**step),
+                                  np.float32(decay_product))
+        return True
     if not _fusable((grad, param, exp_avg, denom, anchor, out), mask, step):
         return reference.local_window_update(grad, param, exp_avg, denom, anchor, out, decay_product=decay_product,
                                              mask=mask, select=not _cpu_kernels(grad), **step)

@@ -513,44 +513,77 @@ def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size
     return xi + (step_size * mi) / si, mi
 
 
-@cuda.jit
-def _local_step(g, x, m, s, mask, flags, row, c, decay, l2, w, step_size):
-    """A LOCAL step on one bucket where every element of g is finite, else nothing, decided on
-    the device in one cooperative launch (``cpu.local_step_if_finite``): every thread counts
-    the non-finite g of its grid-stride share into ``flags[row, 0]``; after a grid-wide
-    barrier each reads the total and, where it is 0, updates its share of x and m in place
-    (:func:`_local_one`; g, x, m, s: float32[n]; ``mask``: uint8[n], or [0] for none); after
-    a second barrier thread 0 keeps the total in ``flags[row, 1]`` and zeroes ``flags[row, 0]``
-    for the next launch. ``flags``: int32[rows, 2], zero in column 0 before the launch.
-    Scalars float32: c (+inf: no clamp), decay, l2, w, step_size."""
-    grid = cuda.cg.this_grid()
-    start = cuda.grid(1)
+@cuda.jit(device=True)
+def _grid_non_finite(g, flags, row):
+    """The count of non-finite elements of g, for every thread of a cooperative grid: each adds
+    its grid-stride share's into ``flags[row, 0]`` (zero before), then a grid-wide barrier."""
+    i = cuda.grid(1)
     stride = cuda.gridsize(1)
-    n = g.shape[0]
     bad = 0
-    i = start
-    while i < n:
+    while i < g.shape[0]:
         if not abs(g[i]) < np.float32(math.inf):
             bad += 1
         i += stride
     if bad:
         cuda.atomic.add(flags, (row, 0), bad)
-    grid.sync()
-    total = flags[row, 0]
+    cuda.cg.this_grid().sync()
+    return flags[row, 0]
+
+
+@cuda.jit(device=True)
+def _grid_keep_count(flags, row, total):
+    """After a grid-wide barrier, thread 0 keeps ``total`` in ``flags[row, 1]`` and zeroes
+    ``flags[row, 0]`` for the next launch. Every thread of the grid must call it."""
+    cuda.cg.this_grid().sync()
+    if cuda.grid(1) == 0:
+        flags[row, 1] = total
+        flags[row, 0] = 0
+
+
+@cuda.jit
+def _local_step(g, x, m, s, mask, flags, row, c, decay, l2, w, step_size):
+    """A LOCAL step on one bucket where every element of g is finite, else nothing, decided on
+    the device in one cooperative launch (``cpu.local_step_if_finite``): the count of the
+    non-finite g (:func:`_grid_non_finite`), then where it is 0 each thread updates its
+    grid-stride share of x and m in place (:func:`_local_one`; g, x, m, s: float32[n];
+    ``mask``: uint8[n], or [0] for none); the count is kept in ``flags[row, 1]``
+    (:func:`_grid_keep_count`). ``flags``: int32[rows, 2], zero in column 0 before the launch.
+    Scalars float32: c (+inf: no clamp), decay, l2, w, step_size."""
+    total = _grid_non_finite(g, flags, row)
     if total == 0:
         small = abs(w) < np.float32(0.5)
         coeff = w if small else w - np.float32(1.0)
         has_l2 = l2 != np.float32(0.0)
         masked = mask.shape[0] > 0
-        i = start
-        while i < n:
+        i = cuda.grid(1)
+        while i < g.shape[0]:
             mk = np.float32(mask[i]) if masked else np.float32(1.0)
             x[i], m[i] = _local_one(g[i], x[i], m[i], s[i], mk, c, decay, l2, coeff, small, has_l2, step_size)
-            i += stride
-    grid.sync()
-    if start == 0:
-        flags[row, 1] = total
-        flags[row, 0] = 0
+            i += cuda.gridsize(1)
+    _grid_keep_count(flags, row, total)
+
+
+@cuda.jit
+def _local_window(g, x, m, s, mask, a, out, flags, row, c, decay, l2, w, step_size, dp):
+    """SYNC steps 1–3 on one bucket in one cooperative launch, x and m left as they are
+    (``cpu.local_window_update``): out = a·dp − x', x' the LOCAL step's new x
+    (:func:`_local_one`) where every element of g is finite, else x itself (the skipped
+    step's), decided on the device as in :func:`_local_step`, whose arguments these are, with
+    ``a`` and ``out`` float32[n] and ``dp`` float32 (a·dp rounded on its own; a·1 is a)."""
+    total = _grid_non_finite(g, flags, row)
+    small = abs(w) < np.float32(0.5)
+    coeff = w if small else w - np.float32(1.0)
+    has_l2 = l2 != np.float32(0.0)
+    masked = mask.shape[0] > 0
+    i = cuda.grid(1)
+    while i < g.shape[0]:
+        xi = x[i]
+        if total == 0:
+            mk = np.float32(mask[i]) if masked else np.float32(1.0)
+            xi, _ = _local_one(g[i], xi, m[i], s[i], mk, c, decay, l2, coeff, small, has_l2, step_size)
+        out[i] = _mul_rn(a[i], dp) - xi
+        i += cuda.gridsize(1)
+    _grid_keep_count(flags, row, total)
 
 
 # -- torch-level entry points ---------------------------------------------------------------
@@ -832,6 +865,15 @@ def local_step_if_finite(g, x, m, s, mask, flags, row, scalars):
     mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
     args = (_arr(g), _arr(x), _arr(m), _arr(s), mk, _arr(flags), row, *scalars)
     _local_step[_cooperative_grid(_local_step, args, g.numel()), TPB, _stream(g)](*args)
+
+
+@_entry
+def local_window_update(g, x, m, s, mask, a, out, flags, row, scalars, dp):
+    """:func:`_local_window` on torch tensors (as :func:`local_step_if_finite`, with ``a`` and
+    ``out`` float32[n] and the float32 ``dp``), one launch on the current stream."""
+    mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
+    args = (_arr(g), _arr(x), _arr(m), _arr(s), mk, _arr(a), _arr(out), _arr(flags), row, *scalars, dp)
+    _local_window[_cooperative_grid(_local_window, args, g.numel()), TPB, _stream(g)](*args)
 
 
 @_entry

@@ -294,6 +294,37 @@ def test_the_local_step_kernel_is_bitwise_the_cpu_kernel_and_skips_on_the_device
     assert torch.equal(flags.cpu(), want_flags)
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=local_cases(), row=st.integers(0, 2), dp=st.sampled_from([1.0, 0.999]))
+def test_the_window_update_kernel_is_bitwise_the_cpu_kernel_and_skips_on_the_device(case, row, dp):
+    """native.local_window_update with flags (one cooperative launch: the check, a grid-wide
+    barrier, out = a·dp − x' with x' the local step's x on copies, or x itself where a gradient
+    is not finite) against the torch reference's choice on the device (``select``), which the
+    CPU kernel gives bit for bit where g is finite: ``out`` bitwise, x and m untouched, the count
+    of non-finite gradients in its row of the flags, column 0 left at 0."""
+    g, x, m, s, mask, step = case
+    gen = torch.Generator().manual_seed(len(g))
+    anchor = x + torch.randn(len(g), generator=gen) * 1e-2
+    want = torch.empty(len(g))
+    reference.local_window_update(g, x.clone(), m.clone(), s, anchor, want, decay_product=dp, select=True, mask=mask,
+                                  **step)
+    finite = bool(torch.isfinite(g).all())
+    cpu_out = torch.empty(len(g))
+    assert native.local_window_update(g, x, m, s, anchor, cpu_out, decay_product=dp, mask=mask, **step) == finite
+    assert not finite or torch.equal(cpu_out, want)  # the CPU kernel, the oracle's bits
+    got, gx, gm = dev(torch.full((len(g),), 5.0)), dev(x.clone()), dev(m.clone())
+    flags = dev(torch.full((3, 2), 7, dtype=torch.int32))
+    flags[row, 0] = 0
+    with cuda_path():
+        assert native.local_window_update(dev(g), gx, gm, dev(s), dev(anchor), got, decay_product=dp,
+                                          mask=None if mask is None else dev(mask), flags=flags, row=row, **step)
+    assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
+    assert torch.equal(gx.cpu(), x) and torch.equal(gm.cpu(), m)
+    want_flags = torch.full((3, 2), 7, dtype=torch.int32)
+    want_flags[row] = torch.tensor([0, int((~torch.isfinite(g)).sum())])
+    assert torch.equal(flags.cpu(), want_flags)
+
+
 def test_the_local_step_kernel_leaves_to_torch_what_it_does_not_take():
     """native.local_step_on_device launches nothing, returning False, for float16 tensors,
     scalars local_step_fuses leaves to torch's ops (weight 1) and CPU tensors off the CUDA path."""

@@ -233,14 +233,16 @@ class ZeroOneAdam:
         """SYNC steps 1–3 of bucket ``b`` with x and m left as they are: the window's update
         after this step's local update (on copies), u = x_a·``decay_product`` − x' (times s
         without ``precondition_compression``), into the padded float32 ``buf``. One pass over
-        the bucket on the CPU (:func:`native.local_window_update`); a g that is not finite
+        the bucket on the CPU (:func:`native.local_window_update`), one kernel launch off it
+        (its count in the bucket's row of :meth:`Engine.skip_flags`); a g that is not finite
         gives the u of x as it is (this rank's local step skips, algorithm.md §5)."""
         buf[b.numel:].zero_()
         if self.precondition_compression:  # the common case in one pass that writes only buf
             g, x = engine.grads(b), engine.load_x(b)
+            row = next(i for i, c in enumerate(engine.buckets) if c is b)
             if not native.local_window_update(g, x, b.exp_avg, denom, b.anchor, buf[:b.numel],
                                               decay_product=decay_product, mask=engine.mask_of(b),
-                                              **self.local_scalars(engine, h)):
+                                              flags=engine.skip_flags(), row=row, **self.local_scalars(engine, h)):
                 fill_sync(b, x, denom, decay_product, buf, True)
             return
         x = self.local_update(engine, b, h, denom, engine.x_copy(b), b.exp_avg.clone())
