@@ -252,6 +252,37 @@ def test_clipping_after_backward_exchanges_at_most_one_step_twice(scaler):
         assert len(texts) == 2 and all("from now on this optimizer starts no exchange" in w for w in texts), texts
 
 
+# -- torch.compile ---------------------------------------------------------------------------------
+
+def compiled(rank, transport, what: str):
+    """9 steps with ``what`` compiled (``torch.compile``, backend aot_eager: Dynamo and AOTAutograd,
+    which is where hooks and the optimizer meet the compiler, without a C++ toolchain's time):
+    "nothing", "model", or "step" (the model and ``opt.step``). Returns (parameters, bytes sent)."""
+    net = common.mlp()
+    opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=common.LR),
+                                          named_parameters=net.named_parameters(), transport=transport, **KNOBS)
+    forward = net if what == "nothing" else torch.compile(net, backend="aot_eager")
+    step = torch.compile(opt.step, backend="aot_eager") if what == "step" else opt.step
+    for t in range(1, 10):
+        opt.zero_grad()
+        x, y = common.batch(t, rank)
+        torch.nn.functional.mse_loss(forward(x), y).backward()
+        step()
+    return [p.detach().clone() for p in net.parameters()], opt.comm_stats()["bytes_sent_total"]
+
+
+@pytest.mark.parametrize("what", ["model", "step"])
+def test_torch_compile_of_the_model_or_the_step_trains_as_eager(what):
+    """A compiled model (its backward hooks still start the exchanges) and a compiled opt.step
+    (a graph break: the step runs as written) train bit for bit as without torch.compile."""
+    torch._dynamo.reset()
+    got = run_threads(2, lambda rank, transport: compiled(rank, transport, what), timeout_s=300)
+    want = run_threads(2, lambda rank, transport: compiled(rank, transport, "nothing"))
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[rank][0], want[rank][0]))
+        assert got[rank][1] == want[rank][1]
+
+
 # -- a real job ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(600)

@@ -154,9 +154,14 @@ class HorovodContract:
     # skips a communicating step on all ranks together (algorithm.md §5).
     _step_supports_amp_scaling = True
 
+    # torch.compiler.disable: under torch.compile (of opt.step, or of a training step that calls
+    # it) the step runs as written, a graph break: its collectives and numba kernels cannot be
+    # traced, and Dynamo failed inside them instead of breaking the graph.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor | float] | None = None):
         """One 0/1 Adam step of the kind the schedule gives (algorithm.md §2). Returns the closure's loss.
+        Under ``torch.compile`` it runs uncompiled (a graph break), as the rest of the model's code compiles.
 
         Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``) the gradients are unscaled
         before any exchange, so the error buffers stay in unscaled units whatever the scale does.
