@@ -521,10 +521,15 @@ def sync_rebuild(w: torch.Tensor, anchor: torch.Tensor, param: torch.Tensor, exp
     ``param = anchor − w``, ``exp_avg = (w·denom)·factor``, ``anchor = param``. Bitwise
     ``anchor.mul_(decay_product)`` and :func:`hvd_zoadam.core.step_math.sync_finish` with
     ``preconditioned=True, mask=None`` (:func:`reference.sync_rebuild`); one pass on the CPU
-    instead of five. All float32[n]."""
+    instead of five, one kernel launch on the CUDA path (float32 contiguous tensors; else
+    torch's ops). All float32[n]."""
     tensors = (w, anchor, param, exp_avg, denom)
     if _cpu_kernels(*tensors):
         cpu.sync_rebuild(*(_np(t) for t in tensors), np.float32(factor), np.float32(decay_product))
+        return
+    if all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and _on_cuda(*tensors):
+        from . import cuda as _cuda
+        _cuda.sync_rebuild(w, anchor, param, exp_avg, denom, np.float32(factor), np.float32(decay_product))
         return
     reference.sync_rebuild(w, anchor, param, exp_avg, denom, factor, decay_product)
 

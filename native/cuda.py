@@ -586,6 +586,20 @@ def _local_window(g, x, m, s, mask, a, out, flags, row, c, decay, l2, w, step_si
     _grid_keep_count(flags, row, total)
 
 
+@cuda.jit
+def _sync_rebuild(w, anchor, param, exp_avg, denom, f, decay):
+    """SYNC steps 5–7 from an unpacked w, one thread per element (``cpu.sync_rebuild``): a =
+    anchor·decay (rounded on its own; a·1 is a), param = a − w, exp_avg = (w·denom)·f, anchor =
+    param. All float32[n]; ``f``, ``decay`` float32."""
+    i = cuda.grid(1)
+    if i < w.shape[0]:
+        wi = w[i]
+        x = _mul_rn(anchor[i], decay) - wi
+        exp_avg[i] = (wi * denom[i]) * f
+        param[i] = x
+        anchor[i] = x
+
+
 # -- torch-level entry points ---------------------------------------------------------------
 
 _SIM_LOCK = threading.RLock()
@@ -874,6 +888,13 @@ def local_window_update(g, x, m, s, mask, a, out, flags, row, scalars, dp):
     mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
     args = (_arr(g), _arr(x), _arr(m), _arr(s), mk, _arr(a), _arr(out), _arr(flags), row, *scalars, dp)
     _local_window[_cooperative_grid(_local_window, args, g.numel()), TPB, _stream(g)](*args)
+
+
+@_entry
+def sync_rebuild(w, anchor, param, exp_avg, denom, f, decay):
+    """:func:`_sync_rebuild` on torch tensors (``f``, ``decay``: float32), one launch."""
+    _sync_rebuild[_grid(w.numel()), TPB, _stream(w)](_arr(w), _arr(anchor), _arr(param), _arr(exp_avg), _arr(denom),
+                                                      f, decay)
 
 
 @_entry

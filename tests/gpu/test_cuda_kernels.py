@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -323,6 +324,32 @@ def test_the_window_update_kernel_is_bitwise_the_cpu_kernel_and_skips_on_the_dev
     want_flags = torch.full((3, 2), 7, dtype=torch.int32)
     want_flags[row] = torch.tensor([0, int((~torch.isfinite(g)).sum())])
     assert torch.equal(flags.cpu(), want_flags)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(n=st.integers(0, MAX_NUMEL), seed=st.integers(0, 2 ** 31 - 1), decay=st.sampled_from([1.0, 0.999, 0.5]),
+       factor=st.sampled_from([0.37, 1e3]), special=st.sampled_from([None, float("nan"), float("inf"), -0.0]))
+def test_the_rebuild_kernel_is_bitwise_the_reference(n, seed, decay, factor, special):
+    """native.sync_rebuild on the CUDA path (one launch of cuda._sync_rebuild) against the torch
+    reference (anchor·decay, x = a − w, m = (w·s)·f, anchor = x), which the CPU kernel gives bit
+    for bit: param, exp_avg and anchor bitwise, a NaN/Inf/−0 in w carried through alike."""
+    gen = torch.Generator().manual_seed(seed)
+    w, anchor, x, m = (torch.randn(n, generator=gen) for _ in range(4))
+    s = torch.rand(n, generator=gen) * 1e-2 + 1e-8
+    if n and special is not None:
+        w[n // 2] = special
+    want = [anchor.clone(), x.clone(), m.clone()]
+    reference.sync_rebuild(w.clone(), *want, s, factor, decay)
+    on_cpu = [anchor.clone(), x.clone(), m.clone()]
+    native.sync_rebuild(w, *on_cpu, s, factor, decay)
+    bits = lambda t: t.cpu().view(torch.int32)  # noqa: E731  (NaN included)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(on_cpu, want))  # the CPU kernel, the oracle's bits
+    got = [dev(anchor.clone()), dev(x.clone()), dev(m.clone())]
+    with cuda_path(), mock.patch.object(kcuda, "sync_rebuild", wraps=kcuda.sync_rebuild) as kernel:
+        native.sync_rebuild(dev(w), *got, dev(s), factor, decay)
+    assert kernel.call_count == 1  # the kernel, not torch's ops
+    for name, a, b in zip(("anchor", "param", "exp_avg"), got, want):
+        assert torch.equal(bits(a), bits(b)), (name, (a.cpu() - b).abs().max())
 
 
 def test_the_local_step_kernel_leaves_to_torch_what_it_does_not_take():
