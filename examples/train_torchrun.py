@@ -190,11 +190,15 @@ def main(argv=None) -> None:
     wall = time.perf_counter() - start
     with torch.no_grad():
         val = lm_loss(model, held_out).item()
+        logits = model(held_out[:, :-1])  # each held-out sequence's mean loss: their spread is the evaluation's noise
+        per_seq = F.cross_entropy(logits.transpose(1, 2), held_out[:, 1:], reduction="none").mean(1)
+        val_se = (per_seq.std() / math.sqrt(per_seq.numel())).item()
     if rank == 0:
         ran = last - first
         out = {"optimizer": args.optimizer, "world_size": world, "steps": ran, "wall_s": round(wall, 3),
                "steps_per_s": round(ran / wall, 3) if ran else 0.0, "final_val_loss": round(val, 5),
-               "final_val_loss_hex": float(val).hex(), "final_train_loss": round(loss.item(), 5),
+               "final_val_loss_se": round(val_se, 5), "final_val_loss_hex": float(val).hex(),
+               "final_train_loss": round(loss.item(), 5),
                "first_iter": first, "iter": last, "schedule_step": schedule_step(opt),
                "model_sha256": hashlib.sha256(b"".join(t.detach().numpy().tobytes()
                                                        for t in model.state_dict().values())).hexdigest()[:16]}
