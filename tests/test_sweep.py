@@ -140,5 +140,6 @@ def test_a_variant_run_on_chosen_setups_reports_its_gap_and_freeze_2w_freezes_wh
     assert sweep.freeze_without_floor(setup) == 5  # max(2 * 2, ceil(0.25 / 0.05))
     assert sweep.run_one(setup, 0, "freeze-2w", _args(QUICK))["frozen_at"] == 6
     assert sweep.run_one(setup, 0, "zoadam", _args(QUICK))["frozen_at"] is None  # the floor: 120 steps
+    assert sweep.run_one(setup, 0, "freeze-at-3", _args(QUICK))["frozen_at"] == 4
     with pytest.raises(sweep.SweepError, match="unknown \\['exact'\\]"):
         sweep.run(_args([*QUICK, "--variants", "exact"]))

@@ -125,16 +125,24 @@ def freeze_without_floor(setup: dict) -> int:
 def check_variants(names: list) -> None:
     """Raise :class:`SweepError` for a name that is neither ``adam``, ``freeze-2w`` nor a
     ``bench convergence`` variant."""
-    bad = [n for n in names if n not in ("adam", "freeze-2w", *convergence.VARIANTS)]
+    bad = [n for n in names if n not in ("adam", "freeze-2w", *convergence.VARIANTS) and _freeze_at(n) is None]
     if bad:
-        raise SweepError(f"--variants: unknown {bad}; choose from adam, freeze-2w, {', '.join(convergence.VARIANTS)}")
+        raise SweepError(f"--variants: unknown {bad}; choose from adam, freeze-2w, freeze-at-N (N a step), "
+                         f"{', '.join(convergence.VARIANTS)}")
+
+
+def _freeze_at(name: str) -> int | None:
+    """N of a variant named ``freeze-at-N`` (N >= 1), else None."""
+    head, _, n = name.rpartition("-")
+    return int(n) if head == "freeze-at" and n.isdigit() and int(n) >= 1 else None
 
 
 def run_one(setup: dict, seed: int, variant: str, args: argparse.Namespace) -> dict:
     """One run's row (``bench convergence``'s: ``val_loss``, ``bytes_per_rank``, ``wall_s``, and for
     0/1 Adam ``kinds`` and ``frozen_at``): ``variant`` on the set-up with this seed: ``"adam"``,
     ``"zoadam"`` (the library's defaults), a ``bench convergence`` variant (one part switched off,
-    on top of the defaults), or ``"freeze-2w"`` (the defaults with T_f = :func:`freeze_without_floor`)."""
+    on top of the defaults), ``"freeze-2w"`` (the defaults with T_f = :func:`freeze_without_floor`)
+    or ``"freeze-at-N"`` (the defaults with T_f = N)."""
     one = run_args(setup, seed, args)
     work = build(setup["workload"], convergence._examples(), one)
     factor = lr_factor(setup["lr_schedule"], setup["warmup"], setup["steps"])
@@ -142,7 +150,8 @@ def run_one(setup: dict, seed: int, variant: str, args: argparse.Namespace) -> d
     init = [p.detach().clone() for p in work.model.parameters()]
     if variant == "freeze-2w":
         variant = f"freeze-at-{freeze_without_floor(setup)}"
-        convergence.VARIANTS.setdefault(variant, ({}, {"var_freeze_step": freeze_without_floor(setup)}))
+    if _freeze_at(variant) is not None:
+        convergence.VARIANTS.setdefault(variant, ({}, {"var_freeze_step": _freeze_at(variant)}))
     return convergence._variant_row(variant, work, init, one)
 
 
@@ -307,7 +316,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--variants", default="zoadam",
                     help="0/1 Adam variants to run besides Adam and the defaults (zoadam), to find which part "
                          "costs the quality: any of bench convergence's (e.g. exact-compressed, exact-sync, "
-                         "no-local-steps) and freeze-2w (the freeze without its floor of 32 updates of v); each "
+                         "no-local-steps), freeze-2w (the freeze without its floor of 32 updates of v) and "
+                         "freeze-at-N (T_f = N); each "
                          "set-up's gaps in setups[i].variants")
     sw.add_argument("--only", help="comma-separated set-up numbers to run (default: all of --setups)")
     sw.add_argument("--max-steps", type=int, default=0,
