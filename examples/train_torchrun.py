@@ -170,6 +170,7 @@ def main(argv=None) -> None:
     dist.barrier()
     start = time.perf_counter()
     loss = torch.tensor(float("nan"))
+    clipped = 0  # steps whose gradient norm (this rank's: 0/1 Adam clips before the exchange) exceeded --clip
     for i in range(first, last):
         for group in opt.param_groups:
             group["lr"] = learning_rate(i, args)
@@ -181,7 +182,7 @@ def main(argv=None) -> None:
                 scaler.scale(loss / args.accumulate).backward()
         if args.clip:
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            clipped += int(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip) > args.clip)
         scaler.step(opt)
         scaler.update()
         if rank == 0 and args.ckpt and ((args.ckpt_every and (i + 1) % args.ckpt_every == 0) or i + 1 == last):
@@ -199,7 +200,7 @@ def main(argv=None) -> None:
                "steps_per_s": round(ran / wall, 3) if ran else 0.0, "final_val_loss": round(val, 5),
                "final_val_loss_se": round(val_se, 5), "final_val_loss_hex": float(val).hex(),
                "final_train_loss": round(loss.item(), 5),
-               "first_iter": first, "iter": last, "schedule_step": schedule_step(opt),
+               "clipped_steps": clipped, "first_iter": first, "iter": last, "schedule_step": schedule_step(opt),
                "model_sha256": hashlib.sha256(b"".join(t.detach().numpy().tobytes()
                                                        for t in model.state_dict().values())).hexdigest()[:16]}
         if args.optimizer == "zoadam":
