@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_job
+from conftest import ROOT, run_job
 
 ARGS = ["--steps", "40", "--warmup", "4", "--accumulate", "3", "--clip", "1.0", "--width", "32", "--length", "32"]
 
@@ -71,3 +73,19 @@ def test_the_ddp_trainer_resumes_from_rank_0s_checkpoint_where_it_stopped(optimi
     else:
         assert sum(resumed["steps_by_kind"].values()) == 20, resumed
         assert abs(resumed["final_val_loss"] - full["final_val_loss"]) < ZOADAM_RESUME_TOLERANCE, (resumed, full)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,message", [
+    (["--resume"], "--resume and --ckpt-every need --ckpt PATH"),
+    (["--ckpt-every", "5"], "--resume and --ckpt-every need --ckpt PATH"),
+    (["--ckpt", "ckpt.pt", "--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+    (["--steps", "40", "--stop-at", "41"], "--stop-at must be between 1 and --steps (40)"),
+    (["--ckpt", "missing.pt", "--resume"], "--resume: no checkpoint at --ckpt missing.pt"),
+])
+def test_the_ddp_trainer_names_the_option_at_fault(argv, message, tmp_path):
+    """Checkpoint options that cannot work stop the script before any process group starts, with
+    argparse's usage error naming the option and what to do."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_torchrun.py"), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr)
