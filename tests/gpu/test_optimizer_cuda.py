@@ -151,7 +151,8 @@ def local_steps(dtype, cuda_kernels: bool, nan_step: int):
     """Parameters and momenta of a small model in several buckets after a VARIANCE step, two
     SYNC steps and six LOCAL steps (P = 1), the gradients drawn alike; at step ``nan_step`` a
     NaN in the third parameter's gradient. Returns (parameters after each step, exp_avg of
-    each parameter, the device's skip counts after each LOCAL step: None off the CUDA path)."""
+    each parameter, the device's skip counts after each LOCAL step: None where no flag table was
+    made)."""
     native.use_cuda_kernels_on_cpu(cuda_kernels)
     gen = torch.Generator().manual_seed(5)
     model = torch.nn.Module()
@@ -198,4 +199,6 @@ def test_local_steps_on_the_cuda_path_are_bitwise_the_cpu_paths(dtype):
     third = [0] * len(got[2][0])
     third[next(i for i, c in enumerate(got[2][nan_step - 4]) if c)] = 1
     assert got[2] == [third if t == nan_step else [0] * len(third) for t in range(4, 10)], got[2]
-    assert want[2] == [None] * 6
+    # the CPU path counts nothing on the device (its kernel checks g in its call); the flag table
+    # may exist there, made by a SYNC step's window update, and stays zero
+    assert all(c is None or not any(c) for c in want[2]), want[2]
