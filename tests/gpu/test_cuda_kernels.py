@@ -274,7 +274,10 @@ def test_the_local_step_kernel_is_bitwise_the_cpu_kernel_and_skips_on_the_device
     barrier, the step) against the torch reference on CPU copies, which the CPU kernel
     (cpu.local_step_if_finite) gives bit for bit: x and m bitwise, or untouched where a
     gradient is not finite; the count of non-finite gradients in its row of the flags, column
-    0 left at 0 for the next launch, the other rows untouched."""
+    0 left at 0 for the next launch, the other rows untouched. Where torch's CPU kernels round
+    lerp unfused (ATEN_CPU_CAPABILITY=default) the launch declines and the torch ops run."""
+    if not native._kernel_matches_torch():
+        pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} kernels round lerp unfused: the torch ops run")
     g, x, m, s, mask, step = case
     finite = bool(torch.isfinite(g).all())
     want_x, want_m = x.clone(), m.clone()
