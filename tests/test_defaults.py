@@ -209,3 +209,30 @@ def test_a_schedule_and_every_front_end_read_one_set_of_defaults():
     lr = warmup_cosine(60, 400)
     assert [schedule.kind(t, lr(t), lr(120)) for t in range(1, 401)] == \
         [Schedule(120, 8).kind(t, lr(t), lr(120)) for t in range(1, 401)]
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_a_constant_rate_that_froze_v_at_the_earliest_step_gets_a_word_once(caplog, decay):
+    """Earliest T_f at kappa = 1, beta2 = 0.98: 13. With a constant rate v freezes there, and from
+    step 2 x 13 = 26 schedule_state()["risk"] says so with what to set (twice T_f), rank 0 logging
+    it once; a rate that decays after the freeze gets no word."""
+    model = common.mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
+    opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                          transport=ThreadGroup(1).transports()[0], var_update_scaler=1)
+    risks = []
+    with caplog.at_level(logging.INFO, logger="hvd_zoadam"):
+        for t in range(1, 41):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (0.98 ** max(0, t - 14) if decay else 1.0)
+            opt.zero_grad()
+            common.loss_fn(model, t, 0).backward()
+            opt.step()
+            risks.append(opt.schedule_state()["risk"])
+    assert opt.schedule_state()["var_freeze_step"] == 13
+    words = [r for r in caplog.records if "set var_freeze_step=26" in r.getMessage()]
+    if decay:
+        assert risks == [None] * 40 and words == []
+    else:
+        assert risks[:25] == [None] * 25 and all(r and "set var_freeze_step=26" in r for r in risks[25:])
+        assert len(words) == 1 and words[0].levelno == logging.WARNING

@@ -255,6 +255,24 @@ class AutoFreeze:
         return base if decided is None or decided == base.var_freeze_step else replace(base, var_freeze_step=decided)
 
 
+def constant_rate_freeze_risk(auto: AutoFreeze | None, step: int, var_freeze_step: int | None, lr: float,
+                              freeze_lr: float | None) -> str | None:
+    """The regime in which the random sweep found the defaults' freeze costly (docs/performance.md,
+    "The defaults over a random sweep"), as a sentence with what to set, else None: under
+    ``var_freeze_step="auto"``, v froze at the earliest step the rule allows (``auto.earliest()``,
+    so the warm-up did not decide it) and the learning rate ``lr`` at ``step`` is still the rate
+    at the freeze ``freeze_lr``, ``step`` at least twice the freeze: a constant rate, on which v
+    froze early. Pure: every rank gives the same answer."""
+    if auto is None or var_freeze_step is None or freeze_lr is None or var_freeze_step != auto.earliest():
+        return None
+    if step < 2 * var_freeze_step or lr != freeze_lr:
+        return None
+    return (f"v froze after step {var_freeze_step}, the earliest var_freeze_step='auto' allows, and the learning "
+            f"rate has not changed since: on a constant rate v can freeze too early (a random sweep of set-ups found "
+            f"0/1 Adam 1.7 % behind Adam there, 0.6 % with the freeze twice as late). If the loss trails Adam's, "
+            f"set var_freeze_step={2 * var_freeze_step}.")
+
+
 @functools.lru_cache(maxsize=16)
 def _earliest_freeze(var_update_scaler: int, beta2: float) -> int:
     """:meth:`AutoFreeze.earliest`, computed once per (κ, β2): it is read at every step before T_f."""
