@@ -138,8 +138,8 @@ def test_each_bench_subcommand_is_a_module_that_registers_itself():
     for module in cli.COMMANDS:
         module.add_parser(sub)
     names = set(sub.choices)
-    assert names == {"network", "step", "kernels", "model", "convergence", "scaling", "resume", "load", "chaos",
-                     "torchrun"}, names
+    assert names == {"network", "step", "kernels", "model", "convergence", "scaling", "sweep", "resume", "load",
+                     "chaos", "torchrun"}, names
     assert all(callable(p.get_default("run")) for p in sub.choices.values())
     assert len((ROOT / "hvd_zoadam" / "bench" / "cli.py").read_text().splitlines()) < 80
 

@@ -299,17 +299,6 @@ class Engine:
             d = self.scratch["d"] = torch.empty(max(numel, max(b.numel for b in self.buckets)), device=self.device)
         return d[:numel]
 
-    def skip_flags(self) -> torch.Tensor:
-        """int32[B, 2] on the engine's device, one row per bucket, zeroed when made: what the
-        local step decided on the device counts there (:func:`native.local_step_on_device`:
-        column 0 its running count, 0 between steps; column 1 the last step's count of
-        non-finite gradients). Made again, zeroed, when buckets were added since."""
-        flags = self.scratch.get("skip_flags")
-        if flags is None or flags.shape[0] < len(self.buckets):
-            flags = self.scratch["skip_flags"] = torch.zeros((len(self.buckets), 2), dtype=torch.int32,
-                                                             device=self.device)
-        return flags
-
     def mask_of(self, b: Bucket):
         """The momentum mask in force for bucket ``b`` (None when there is none): the user's,
         and with ``auto_exp_avg_mask`` also :meth:`DerivedFromExpAvgSq.mask`."""
@@ -383,6 +372,19 @@ def grads_finite(engine: Engine) -> bool:
     one host synchronisation in all on a GPU. Bucket by bucket, as the engine's scratch is
     shared."""
     return native.all_finite_many(engine.grads(b) for b in engine.buckets)
+
+
+def skip_flags(engine: Engine) -> torch.Tensor:
+    """int32[B, 2] on the engine's device (kept in its scratch), one row per bucket, zeroed when
+    made: what the local step decided on the device counts there
+    (:func:`native.local_step_on_device`: column 0 its running count, 0 between steps; column 1
+    the last step's count of non-finite gradients). Made again, zeroed, when buckets were added
+    since."""
+    flags = engine.scratch.get("skip_flags")
+    if flags is None or flags.shape[0] < len(engine.buckets):
+        flags = engine.scratch["skip_flags"] = torch.zeros((len(engine.buckets), 2), dtype=torch.int32,
+                                                           device=engine.device)
+    return flags
 
 
 def grads_finite_each(engine: Engine, buckets: list[Bucket]) -> list[bool] | None:

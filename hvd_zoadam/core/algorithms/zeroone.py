@@ -21,7 +21,7 @@ import torch
 from hvd_zoadam import native
 from hvd_zoadam.core import step_math
 from hvd_zoadam.core.algorithms import StepContext
-from hvd_zoadam.core.engine import grads_finite_each
+from hvd_zoadam.core.engine import grads_finite_each, skip_flags
 from hvd_zoadam.core.schedule import AutoFreeze, Schedule, StepKind
 
 if TYPE_CHECKING:
@@ -181,14 +181,14 @@ class ZeroOneAdam:
     def local_update_on_device(self, engine: Engine, row: int, h: step_math.Hyper) -> bool:
         """LOCAL steps 1–2 on bucket ``engine.buckets[row]`` off the CPU path in one kernel launch
         that checks g and skips on the device (:func:`native.local_step_on_device`, its count in
-        row ``row`` of :meth:`Engine.skip_flags`), x stored into the parameters; nothing read on
+        row ``row`` of :func:`~hvd_zoadam.core.engine.skip_flags`), x stored into the parameters; nothing read on
         the host. Returns False, taking no step, where that kernel does not take the bucket (the
         CPU path, whose own kernel call checks g; see :func:`native.local_step_on_device`)."""
         b = engine.buckets[row]
         if native.on_cpu_path(b.exp_avg):
             return False
         x = engine.load_x(b)
-        if not native.local_step_on_device(engine.grads(b), x, b.exp_avg, engine.denom(b, h), engine.skip_flags(),
+        if not native.local_step_on_device(engine.grads(b), x, b.exp_avg, engine.denom(b, h), skip_flags(engine),
                                            row, mask=engine.mask_of(b), **self.local_scalars(engine, h)):
             return False
         engine.store_x(b, x)
@@ -234,7 +234,7 @@ class ZeroOneAdam:
         after this step's local update (on copies), u = x_a·``decay_product`` − x' (times s
         without ``precondition_compression``), into the padded float32 ``buf``. One pass over
         the bucket on the CPU (:func:`native.local_window_update`), one kernel launch off it
-        (its count in the bucket's row of :meth:`Engine.skip_flags`); a g that is not finite
+        (its count in the bucket's row of :func:`~hvd_zoadam.core.engine.skip_flags`); a g that is not finite
         gives the u of x as it is (this rank's local step skips, algorithm.md §5)."""
         buf[b.numel:].zero_()
         if self.precondition_compression:  # the common case in one pass that writes only buf
@@ -242,7 +242,7 @@ class ZeroOneAdam:
             row = next(i for i, c in enumerate(engine.buckets) if c is b)
             if not native.local_window_update(g, x, b.exp_avg, denom, b.anchor, buf[:b.numel],
                                               decay_product=decay_product, mask=engine.mask_of(b),
-                                              flags=engine.skip_flags(), row=row, **self.local_scalars(engine, h)):
+                                              flags=skip_flags(engine), row=row, **self.local_scalars(engine, h)):
                 fill_sync(b, x, denom, decay_product, buf, True)
             return
         x = self.local_update(engine, b, h, denom, engine.x_copy(b), b.exp_avg.clone())
