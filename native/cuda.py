@@ -540,6 +540,14 @@ def _grid_keep_count(flags, row, total):
         flags[row, 0] = 0
 
 
+@cuda.jit(device=True)
+def _local_flags(w, l2, mask):
+    """What :func:`_local_one` reads of a launch's scalars: (w below 0.5, the lerp coefficient,
+    whether there is an L2 term, whether there is a mask)."""
+    small = abs(w) < np.float32(0.5)
+    return small, (w if small else w - np.float32(1.0)), l2 != np.float32(0.0), mask.shape[0] > 0
+
+
 @cuda.jit
 def _local_step(g, x, m, s, mask, flags, row, c, decay, l2, w, step_size):
     """A LOCAL step on one bucket where every element of g is finite, else nothing, decided on
@@ -551,10 +559,7 @@ def _local_step(g, x, m, s, mask, flags, row, c, decay, l2, w, step_size):
     Scalars float32: c (+inf: no clamp), decay, l2, w, step_size."""
     total = _grid_non_finite(g, flags, row)
     if total == 0:
-        small = abs(w) < np.float32(0.5)
-        coeff = w if small else w - np.float32(1.0)
-        has_l2 = l2 != np.float32(0.0)
-        masked = mask.shape[0] > 0
+        small, coeff, has_l2, masked = _local_flags(w, l2, mask)
         i = cuda.grid(1)
         while i < g.shape[0]:
             mk = np.float32(mask[i]) if masked else np.float32(1.0)
@@ -571,10 +576,7 @@ def _local_window(g, x, m, s, mask, a, out, flags, row, c, decay, l2, w, step_si
     step's), decided on the device as in :func:`_local_step`, whose arguments these are, with
     ``a`` and ``out`` float32[n] and ``dp`` float32 (a·dp rounded on its own; a·1 is a)."""
     total = _grid_non_finite(g, flags, row)
-    small = abs(w) < np.float32(0.5)
-    coeff = w if small else w - np.float32(1.0)
-    has_l2 = l2 != np.float32(0.0)
-    masked = mask.shape[0] > 0
+    small, coeff, has_l2, masked = _local_flags(w, l2, mask)
     i = cuda.grid(1)
     while i < g.shape[0]:
         xi = x[i]
