@@ -95,6 +95,16 @@ def test_a_killed_sweep_resumes_where_it_stopped_with_the_same_results(tmp_path)
     assert {k: v["val_loss"] for k, v in resumed.items()} == {k: v["val_loss"] for k, v in whole.items()}
 
 
+def test_runs_trained_in_parallel_jobs_give_the_rows_of_one_process(tmp_path):
+    serial = sweep.run(_args(QUICK))["runs"]
+    parallel = sweep.run(_args([*QUICK, "--jobs", "2", "--json", str(tmp_path / "p.json")]))["runs"]
+    assert set(parallel) == set(serial)
+    for key, row in serial.items():
+        assert (parallel[key]["val_loss"], parallel[key]["bytes_per_rank"]) == (row["val_loss"], row["bytes_per_rank"])
+    with pytest.raises(sweep.SweepError, match="--jobs must be >= 1"):
+        sweep.run(_args([*QUICK, "--jobs", "0"]))
+
+
 def test_a_report_of_another_sweep_is_refused_naming_the_setting(tmp_path):
     out = tmp_path / "sweep.json"
     out.write_text(json.dumps({"settings": {**sweep._settings(_args(QUICK)), "ranks": 8}, "runs": {}}))

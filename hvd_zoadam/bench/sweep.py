@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     """The sweep (module docstring): trains every (set-up, seed, variant) not yet in the report,
     set-up by set-up, rewriting ``--json`` after each run; returns the report with its summary.
     Raises :class:`SweepError` for bad arguments or a ``--json`` of another sweep."""
-    for name in ("setups", "seeds", "ranks"):
+    for name in ("setups", "seeds", "ranks", "jobs"):
         if getattr(args, name) < 1:
             raise SweepError(f"--{name} must be >= 1, got {getattr(args, name)}")
     report = load_report(args.json, _settings(args))
@@ -210,21 +210,42 @@ def run(args: argparse.Namespace) -> dict:
     if any(not 0 <= i < args.setups for i in only):
         raise SweepError(f"--only {args.only}: set-ups are numbered 0 .. {args.setups - 1}")
     report["setups"] = {str(i): {"setup": s} for i, s in enumerate(setups)}
-    for i in only:
-        setup = setups[i]
-        for seed in range(args.seeds):
-            for variant in variants:
-                key = _key(i, seed, variant)
-                if key in report["runs"]:
-                    continue
-                print(f"[sweep] set-up {i} {setup} seed {seed} {variant}", file=sys.stderr, flush=True)
-                report["runs"][key] = run_one(setup, seed, variant, args)
-                _write(args.json, report)
+    todo = [(i, seed, variant) for i in only for seed in range(args.seeds) for variant in variants
+            if _key(i, seed, variant) not in report["runs"]]
+    for (i, seed, variant), row in _train(todo, setups, args):
+        report["runs"][_key(i, seed, variant)] = row
+        _write(args.json, report)
     summarise(report, setups)
     _write(args.json, report)
     if args.png:
         plot(report, args.png)
     return report
+
+
+def _init_job(threads: int) -> None:
+    import torch
+    torch.set_num_threads(threads)
+
+
+def _train(todo: list, setups: list, args: argparse.Namespace):
+    """Yields ``((set-up, seed, variant), row)`` for each run of ``todo``: in this process in
+    order with ``--jobs 1``, else in ``--jobs`` processes as they finish. Each run seeds its own
+    model and batches, so a row does not depend on which process trains it or in what order."""
+    def say(i, seed, variant):  # before the run with --jobs 1, after it with more
+        print(f"[sweep] set-up {i} {setups[i]} seed {seed} {variant}", file=sys.stderr, flush=True)
+    if args.jobs == 1:
+        for i, seed, variant in todo:
+            say(i, seed, variant)
+            yield (i, seed, variant), run_one(setups[i], seed, variant, args)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_job, initargs=(args.threads,)) as pool:
+        futures = {pool.submit(run_one, setups[job[0]], job[1], job[2], args): job for job in todo}
+        for future in as_completed(futures):
+            say(*futures[future])
+            yield futures[future], future.result()
 
 
 def _spread(values: list) -> float:
@@ -323,7 +344,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sw.add_argument("--max-steps", type=int, default=0,
                     help="cap every set-up's steps (its warm-up shortened in proportion): a quick look, not the "
                          "sweep (0: the steps as drawn)")
-    sw.add_argument("--threads", type=int, default=1, help="torch threads")
+    sw.add_argument("--threads", type=int, default=1, help="torch threads (per job)")
+    sw.add_argument("--jobs", type=int, default=1,
+                    help="runs trained at once, each in its own process (the rows are the same as with 1)")
     sw.add_argument("--vmap-chunk-size", type=int, default=4, help="ranks per vmap'd call (0: all at once)")
     sw.add_argument("--png", help="the plot of the gaps")
     sw.add_argument("--json", help="the report, rewritten after each run; an existing one is resumed")
