@@ -514,6 +514,67 @@ def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.
     return bad == 0
 
 
+def _variance_scalars(*, weight: float, step_size: float, beta2: float, bias_correction2: float, eps: float,
+                      decay: float = 1.0, l2: float = 0.0) -> tuple:
+    """The float32 scalars of the VARIANCE kernels, in their order: decay, l2, w, step_size,
+    beta2, 1 − beta2 (rounded once, as torch's ``value=``), sqrt(bias_correction2), eps."""
+    f32 = np.float32
+    return (f32(decay), f32(l2), f32(weight), f32(step_size), f32(beta2), f32(1 - beta2),
+            f32(bias_correction2 ** 0.5), f32(eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _variance_kernel_matches_torch() -> bool:
+    """Whether :func:`cpu.variance_step` gives :func:`reference.variance_step`'s bits here, tried
+    once on a probe with both lerp formulas, the L2 term, a mask and a scalar tail (as
+    :func:`_kernel_matches_torch` for the local step)."""
+    gen = torch.Generator().manual_seed(1)
+    n = 1000 + 37
+    g, x, m = (torch.randn(n, generator=gen) for _ in range(3))
+    v = torch.rand(n, generator=gen)
+    mask = torch.rand(n, generator=gen) > 0.1
+    for step in ({"weight": 0.1, "decay": 0.999}, {"weight": 0.7, "l2": 0.01}):
+        step = {"step_size": -0.3, "beta2": 0.98, "bias_correction2": 0.3, "eps": 1e-8, **step}
+        want = [x.clone(), m.clone(), v.clone(), torch.empty(n)]
+        got = [x.clone(), m.clone(), v.clone(), torch.empty(n)]
+        reference.variance_step(g, *want, mask=mask, **step)
+        cpu.variance_step(g.numpy(), *(t.numpy() for t in got), mask.numpy(), *_variance_scalars(**step))
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            return False
+    return True
+
+
+def variance_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  denom: torch.Tensor, *, mask: torch.Tensor | None = None, **step: float) -> None:
+    """A VARIANCE step on one tensor, in place, bitwise :func:`reference.variance_step` (same
+    arguments): one pass on the CPU instead of up to nine torch ops, one kernel launch on the
+    CUDA path (the CPU kernel's bits, as :func:`local_step_on_device`'s); torch's ops where the
+    kernels do not take the tensors (not float32 or not contiguous, scalars that
+    :func:`local_step_fuses` leaves to torch, a torch whose rounding the kernels miss).
+    ``grad``, ``param``, ``exp_avg``, ``exp_avg_sq``, ``denom``: float32[n] (``denom``
+    written); ``mask``: bool or uint8[n] or None. The caller has checked ``grad`` is finite
+    (the agreed skip of algorithm.md §5 reads the average once for every bucket).
+
+    Raises:
+        ValueError: tensors on more than one device.
+    """
+    tensors = (grad, param, exp_avg, exp_avg_sq, denom)
+    every = tensors + (() if mask is None else (mask,))
+    local = {k: step[k] for k in ("weight", "step_size", "decay", "l2") if k in step}
+    takes = (all(t.dtype == torch.float32 for t in tensors) and all(t.is_contiguous() for t in every)
+             and local_step_fuses(**local))
+    if takes and _cpu_kernels(*every):
+        if _kernel_matches_torch() and _variance_kernel_matches_torch():
+            cpu.variance_step(*_flat(*tensors), _NO_ARRAY if mask is None else _flat(mask)[0],
+                              *_variance_scalars(**step))
+            return
+    elif takes and _on_cuda(*every) and (grad.device.type != "cpu" or _variance_kernel_matches_torch()):
+        from . import cuda as _cuda
+        _cuda.variance_step(grad, param, exp_avg, exp_avg_sq, denom, mask, _variance_scalars(**step))
+        return
+    reference.variance_step(grad, param, exp_avg, exp_avg_sq, denom, mask=mask, **step)
+
+
 def sync_rebuild(w: torch.Tensor, anchor: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
                  factor: float, decay_product: float = 1.0) -> None:
     """SYNC steps 5-7 (algorithm.md §2) from an unpacked ``w`` in parameter units (preconditioned, no
@@ -667,10 +728,12 @@ def _warm_calls(device: torch.device) -> None:
         for preconditioned in (True, False):
             decompress_sync(packed, wscales, plan, anchor=v[0], param=v[1], exp_avg=v[2], denom=v[3], factor=0.5,
                             decay_product=0.5, mask=mask, preconditioned=preconditioned)
-    for mask in masks:  # LOCAL and SYNC steps' local update
+    for mask in masks:  # LOCAL and SYNC steps' local update, VARIANCE's
         local_step(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
         local_step_if_finite(v[0], v[1], v[2], v[3], mask=mask, weight=0.1, step_size=-0.1)
         local_window_update(v[0], v[1], v[2], v[3], v[4], ones(n), mask=mask, weight=0.1, step_size=-0.1)
+        variance_step(v[0], v[1], v[2], v[3], v[4], mask=mask, weight=0.1, step_size=-0.1, beta2=0.999,
+                      bias_correction2=0.5, eps=1e-8)
     all_finite(v[0])
     precondition_clamp_(v[4], v[3], 1.0)
     clamp_by(v[0], v[1], 1.0)

@@ -713,3 +713,40 @@ def sync_prepare(param, anchor, decay, out):
         for k in range(np.uint64(min(out.shape[0], t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)):
             i = lo + k
             out[i] = (anchor[i] * decay if decayed else anchor[i]) - param[i]
+
+
+@njit(inline="always")
+def _variance_one(gi, xi, mi, vi, mk, decay, l2, coeff, small, has_l2, step_size, beta2, one_minus_beta2, c2, eps):
+    """One element of a VARIANCE step: (x', m', v', s'), :func:`_local_one`'s x·decay, L2 term
+    and lerp, then v·β + ((1 − β)·g)·g with the last product fused into the sum (torch's ``mul_``,
+    then ``addcmul_``, whose vectorised kernel fuses), s = sqrt(v)/c2 + eps
+    and x + (step_size·m)/s, each rounded as torch's CPU ops round it."""
+    xi = xi * decay
+    gi = _fma(xi, l2, gi) if has_l2 else gi
+    mi = _fma(coeff, gi - mi, mi if small else gi) * mk
+    vi = _fma(one_minus_beta2 * gi, gi, vi * beta2)
+    si = np.sqrt(vi) / c2 + eps
+    return xi + (step_size * mi) / si, mi, vi, si
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def variance_step(g, x, m, v, s, mask, decay, l2, w, step_size, beta2, one_minus_beta2, c2, eps):
+    """A VARIANCE step on one tensor in one pass, in place (bitwise
+    :func:`hvd_zoadam.native.reference.variance_step`): x, m and v updated, s written. g, x,
+    m, v, s: float32[n]; ``mask``: bool or uint8[n], or [0] for none; scalars float32: decay,
+    l2, w (1 − β1), step_size, beta2 (β2^I), one_minus_beta2 (1 − β2^I rounded once),
+    c2 (sqrt of v's bias correction), eps."""
+    n = g.shape[0]
+    coeff, small = _lerp_coeff(w)
+    has_l2, masked, one = l2 != np.float32(0.0), mask.shape[0] > 0, np.float32(1.0)
+    for t in prange((n + TASK_NUMEL - 1) // TASK_NUMEL):
+        lo = np.uint64(t * TASK_NUMEL)
+        hi = lo + np.uint64(min(n, t * TASK_NUMEL + TASK_NUMEL) - t * TASK_NUMEL)
+        if masked:
+            for i in range(lo, hi):
+                x[i], m[i], v[i], s[i] = _variance_one(g[i], x[i], m[i], v[i], np.float32(mask[i]), decay, l2, coeff,
+                                                       small, has_l2, step_size, beta2, one_minus_beta2, c2, eps)
+        else:
+            for i in range(lo, hi):
+                x[i], m[i], v[i], s[i] = _variance_one(g[i], x[i], m[i], v[i], one, decay, l2, coeff, small, has_l2,
+                                                       step_size, beta2, one_minus_beta2, c2, eps)

@@ -602,6 +602,26 @@ def _sync_rebuild(w, anchor, param, exp_avg, denom, f, decay):
         anchor[i] = x
 
 
+@cuda.jit
+def _variance_step(g, x, m, v, s, mask, decay, l2, w, step_size, beta2, one_minus_beta2, c2, eps):
+    """A VARIANCE step on one bucket, one thread per element (``cpu.variance_step``, whose
+    arguments these are): ``cpu._variance_one``'s operations in its order and roundings, each
+    product that NVVM could fuse into an add rounded on its own (:func:`_mul_rn`), sqrt rounded
+    to float32 before the division (the simulator's ``math.sqrt`` returns a float64)."""
+    i = cuda.grid(1)
+    if i < g.shape[0]:
+        small, coeff, has_l2, masked = _local_flags(w, l2, mask)
+        mk = np.float32(mask[i]) if masked else np.float32(1.0)
+        xi = _mul_rn(x[i], decay)
+        gi = _fma(xi, l2, g[i]) if has_l2 else g[i]
+        mi = m[i]
+        mi = _fma(coeff, gi - mi, mi if small else gi) * mk
+        vi = _fma(_mul_rn(one_minus_beta2, gi), gi, _mul_rn(v[i], beta2))
+        si = np.float32(math.sqrt(vi)) / c2 + eps
+        x[i] = xi + (step_size * mi) / si
+        m[i], v[i], s[i] = mi, vi, si
+
+
 # -- torch-level entry points ---------------------------------------------------------------
 
 _SIM_LOCK = threading.RLock()
@@ -904,3 +924,11 @@ def decompress_sync(packed, sscales, plan, anchor, param, exp_avg, denom, factor
                     preconditioned):
     _unpack(packed, sscales, plan, 2 if preconditioned else 3, anchor, exp_avg=exp_avg, anchor=anchor,
             param=param, denom=denom, mask=mask, factor=factor, decay_product=decay_product)
+
+
+@_entry
+def variance_step(g, x, m, v, s, mask, scalars):
+    """:func:`_variance_step` on torch tensors (``mask`` None or bool/uint8[n]; ``scalars``: its
+    eight float32 scalars in order), one launch on the current stream."""
+    mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
+    _variance_step[_grid(g.numel()), TPB, _stream(g)](_arr(g), _arr(x), _arr(m), _arr(v), _arr(s), mk, *scalars)

@@ -208,6 +208,48 @@ def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, d
     param.addcdiv_(exp_avg, denom, value=step_size)
 
 
+def sqrt_rn(v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The square root of float32 ``v`` rounded to the nearest float32 (IEEE 754's sqrt, the
+    kernels' ``sqrt``), into ``out`` when given. torch's CPU ``sqrt`` is within 1 ulp but not
+    always the nearest (its vectorised kernel: about 17 % of the float32s in [1, 4) one ulp
+    off); through float64 it is (the float64 root rounds to the nearest float32: checked for
+    every float32 in [1, 4), which covers every mantissa of both exponent parities). On a GPU
+    torch's float32 ``sqrt`` already rounds to nearest."""
+    if v.device.type != "cpu":
+        return torch.sqrt(v, out=out)
+    root = v.double().sqrt_()
+    return root.float() if out is None else out.copy_(root)
+
+
+def variance_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  denom: torch.Tensor, *, weight: float, step_size: float, beta2: float, bias_correction2: float,
+                  eps: float, decay: float = 1.0, l2: float = 0.0, mask: torch.Tensor | None = None) -> None:
+    """A VARIANCE step (algorithm.md §2), in place: the one torch home of its formula, whose op
+    order is ``torch.optim.Adam``'s single-tensor path and which the kernels match bitwise
+    (torch's CPU Adam differs in the last bit of some roots: see :func:`sqrt_rn`).
+
+    In order, each operation torch's own: x ← x·``decay`` (AdamW's 1 − γλ, when != 1);
+    g ← g + ``l2``·x (Adam's L2 term, when != 0); m ← ``m.lerp(g, weight)`` (weight = 1 − β1);
+    m ← m·mask (when given); v ← ``v.mul(beta2).addcmul(g, g, value=1 − beta2)`` (``beta2``:
+    β2^I, the weight of one update of v); s ← sqrt(v) / sqrt(``bias_correction2``) + ``eps``
+    into ``denom``, the root rounded to nearest (:func:`sqrt_rn`, not torch's CPU ``sqrt``);
+    x ← ``x.addcdiv(m, s, value=step_size)`` (step_size = −γ/(1 − β1^t)).
+
+    ``grad`` (ḡ, the average), ``param`` (x), ``exp_avg`` (m), ``exp_avg_sq`` (v), ``denom``
+    (s, written): float32[n]; ``mask``: bool or uint8[n] or None. ``grad`` is not changed.
+    """
+    if decay != 1.0:
+        param.mul_(decay)
+    if l2 != 0.0:
+        grad = grad.add(param, alpha=l2)
+    exp_avg.lerp_(grad, weight)
+    if mask is not None:
+        exp_avg.mul_(mask)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    sqrt_rn(exp_avg_sq, out=denom).div_(bias_correction2 ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=step_size)
+
+
 def local_window_update(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor,
                         anchor: torch.Tensor, out: torch.Tensor, decay_product: float = 1.0,
                         select: bool = False, **step: float | None) -> bool:

@@ -464,6 +464,23 @@ class DerivedFromExpAvgSq:
             cached = self._denoms[id(b)] = (key, step_math.adam_denom(b.exp_avg_sq, h, out=out))
         return cached[1]
 
+    def denom_out(self, b: Bucket) -> torch.Tensor:
+        """The storage of bucket ``b``'s kept denominator, float32[n], for a VARIANCE step to
+        write s into with v (:func:`native.variance_step`), then :meth:`denom_written`."""
+        cached = self._denoms.get(id(b))
+        if cached is None:
+            cached = self._denoms[id(b)] = (None, torch.empty(b.numel, device=self._engine().device))
+        return cached[1]
+
+    def denom_written(self, b: Bucket, h: step_math.Hyper) -> None:
+        """After a VARIANCE step wrote v and s (:meth:`denom_out`) of ``b`` for ``h``: v's version
+        moved (a kernel writing through a view of it does not move it, and the mask derived from
+        v must be derived again), and s kept as :meth:`denom` of that v: no pass over the
+        bucket to derive it again before the next VARIANCE step."""
+        v = b.exp_avg_sq
+        torch.autograd.graph.increment_version(v)
+        self._denoms[id(b)] = ((v._version, v.data_ptr(), h.bias_correction2, h.eps), self._denoms[id(b)][1])
+
     def denom_bytes(self) -> int:
         """Bytes of the kept denominators."""
         return sum(d.numel() * d.element_size() for _, d in self._denoms.values())

@@ -50,10 +50,9 @@ class Hyper:
 
 
 def adam_denom(exp_avg_sq: torch.Tensor, h: Hyper, out: torch.Tensor | None = None) -> torch.Tensor:
-    """s = sqrt(v̂) + eps, float32[n] (into ``out`` when given, else a new tensor)."""
-    if out is None:
-        return (exp_avg_sq.sqrt() / (h.bias_correction2 ** 0.5)).add_(h.eps)
-    return torch.sqrt(exp_avg_sq, out=out).div_(h.bias_correction2 ** 0.5).add_(h.eps)
+    """s = sqrt(v̂) + eps, float32[n] (into ``out`` when given, else a new tensor): the root
+    rounded to nearest (:func:`reference.sqrt_rn`), as the VARIANCE kernels compute it."""
+    return reference.sqrt_rn(exp_avg_sq, out=out).div_(h.bias_correction2 ** 0.5).add_(h.eps)
 
 
 def normalized_gradient_bound(h: Hyper, world_size: int = 1) -> float:
@@ -96,14 +95,16 @@ def variance_step(param: torch.Tensor, grad_avg: torch.Tensor, exp_avg: torch.Te
     ``denom_out`` (float32[n] or None): a scratch for s (bitwise the same values), so that a
     step allocates nothing bucket-sized.
     """
-    _decay(param, h)
-    grad = _l2(grad_avg, param, h)
-    exp_avg.lerp_(grad, 1 - h.beta1)
-    if mask is not None:
-        exp_avg.mul_(mask)
-    beta2 = h.beta2 ** h.var_update_steps  # h.beta2 itself at I = 1
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, h, out=denom_out), value=-h.lr / h.bias_correction1)
+    if denom_out is None:
+        denom_out = torch.empty_like(exp_avg_sq)
+    reference.variance_step(grad_avg, param, exp_avg, exp_avg_sq, denom_out, mask=mask, **variance_step_scalars(h))
+
+
+def variance_step_scalars(h: Hyper) -> dict:
+    """The scalars of :func:`reference.variance_step` for ``h``: :func:`local_step_scalars`'s, and
+    ``beta2`` β2^I (I = ``h.var_update_steps``), ``bias_correction2`` 1 − β2^K, ``eps``."""
+    return {**local_step_scalars(h), "beta2": h.beta2 ** h.var_update_steps,
+            "bias_correction2": h.bias_correction2, "eps": h.eps}
 
 
 def local_step_scalars(h: Hyper) -> dict:

@@ -237,7 +237,7 @@ class _Run:
 
     def adam_denom(self, k_: int):
         bc2 = 1 - self.beta2 ** max(k_, 1) if self.bias_correction else 1.0
-        return (self.v.sqrt() / bc2 ** 0.5).add_(self.eps)
+        return reference.sqrt_rn(self.v).div_(bc2 ** 0.5).add_(self.eps)
 
     def bound(self, k_: int):  # step_math.normalized_gradient_bound
         scale = self.clip_scale
@@ -442,7 +442,7 @@ def simulate_onebit(params: list[torch.Tensor], exp_avg: torch.Tensor, exp_avg_s
     we = worker_errors if worker_errors is not None else [torch.zeros(big_n) for _ in range(world_size)]
     se = server_errors if server_errors is not None else [torch.zeros(big_n // world_size) for _ in range(world_size)]
     bc2 = 1 - beta2 ** max(exp_avg_sq_steps, 1) if bias_correction else 1.0
-    denom = (v.sqrt() / bc2 ** 0.5).add_(eps)
+    denom = reference.sqrt_rn(v).div_(bc2 ** 0.5).add_(eps)
     mask = v.ne(0) if bool(v.eq(0).any()) else None
     for t in range(first_step, steps + 1):
         lr = lr_fn(t)

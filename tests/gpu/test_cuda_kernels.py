@@ -355,6 +355,50 @@ def test_the_rebuild_kernel_is_bitwise_the_reference(n, seed, decay, factor, spe
         assert torch.equal(bits(a), bits(b)), (name, (a.cpu() - b).abs().max())
 
 
+@st.composite
+def variance_cases(draw):
+    """(g, x, m, v, mask, step) of one bucket for a VARIANCE step: :func:`local_cases`'s tensors
+    and scalars (no clamp: a VARIANCE step has none), v >= 0 with zeros, and β2^I, the bias
+    correction 1 − β2^K and eps drawn; NaN/±Inf in g carried through as torch carries them."""
+    g, x, m, s, mask, step = draw(local_cases())
+    del step["bound_factor"]
+    v = s * s * draw(st.sampled_from([1.0, 1e4]))
+    v[::9] = 0.0
+    step.update(beta2=draw(st.sampled_from([0.999, 0.95, 0.98 ** 4])),
+                bias_correction2=draw(st.sampled_from([1.0, 0.3, 1 - 0.999 ** 3])),
+                eps=draw(st.sampled_from([1e-8, 1e-6])))
+    return g, x, m, v, mask, step
+
+
+def _same_or_both_nan(a, b) -> bool:
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=variance_cases())
+def test_the_variance_kernel_is_bitwise_the_reference(case):
+    """native.variance_step on the CUDA path (one launch of cuda._variance_step) against the torch
+    reference (x·decay, L2, lerp, mask, v·β + ((1 − β)·g)·g, s = sqrt(v)/c + eps, x + (γ'·m)/s),
+    which the CPU kernel gives bit for bit: x, m, v and s bitwise (signed zeros included), NaN
+    where torch has NaN."""
+    if not native._variance_kernel_matches_torch():
+        pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} kernels round otherwise: the torch ops run")
+    g, x, m, v, mask, step = case
+    want = [x.clone(), m.clone(), v.clone(), torch.empty(len(g))]
+    reference.variance_step(g, *want, mask=mask, **step)
+    on_cpu = [x.clone(), m.clone(), v.clone(), torch.empty(len(g))]
+    native.variance_step(g, *on_cpu, mask=mask, **step)
+    assert all(_same_or_both_nan(a, b) for a, b in zip(on_cpu, want))  # the CPU kernel, the oracle's bits
+    got = [dev(x.clone()), dev(m.clone()), dev(v.clone()), dev(torch.empty(len(g)))]
+    with cuda_path(), mock.patch.object(kcuda, "variance_step", wraps=kcuda.variance_step) as kernel:
+        native.variance_step(dev(g), *got, mask=None if mask is None else dev(mask), **step)
+    assert kernel.call_count == 1  # the kernel, not torch's ops
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "denom"), got, want):
+        assert _same_or_both_nan(a, b), (name, (a.cpu() - b).abs().max())
+
+
 def test_the_local_step_kernel_leaves_to_torch_what_it_does_not_take():
     """native.local_step_on_device launches nothing, returning False, for float16 tensors,
     scalars local_step_fuses leaves to torch's ops (weight 1) and CPU tensors off the CUDA path."""

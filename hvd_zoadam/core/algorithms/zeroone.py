@@ -281,11 +281,16 @@ def _with_gradients(ctx: StepContext, k: int, var_update_steps: int = 1):
 
 def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
     """VARIANCE on every bucket, from the averaged gradients in p.grad; the update of v weighs
-    as ``var_update_steps`` steps (:meth:`Schedule.variance_update_steps`)."""
+    as ``var_update_steps`` steps (:meth:`Schedule.variance_update_steps`). One pass (one
+    kernel launch on a GPU) a bucket, which also leaves the new denominators kept for the
+    steps up to the next VARIANCE step (:meth:`DerivedFromExpAvgSq.denom_written`)."""
+    derived = ctx.engine.derived
     for b, h, g, x in _with_gradients(ctx, k, var_update_steps):
         # Only the user's mask here: with the exact average, v == 0 after this step means every
         # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
-        step_math.variance_step(x, g, b.exp_avg, b.exp_avg_sq, h, b.mask, denom_out=ctx.engine.scratch_d(b.numel))
+        native.variance_step(g, x, b.exp_avg, b.exp_avg_sq, derived.denom_out(b), mask=b.mask,
+                             **step_math.variance_step_scalars(h))
+        derived.denom_written(b, h)
 
 
 def compressed_step(ctx: StepContext, k: int) -> None:
