@@ -424,8 +424,15 @@ def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, d
                mask: torch.Tensor | None = None, **step: float | None) -> None:
     """A LOCAL step on one tensor, in place, bitwise :func:`reference.local_step` (same
     arguments): on the CPU one pass (:func:`local_step_fused`) instead of a clamp and five torch
-    ops, which reads g where it is (``p.grad``) and writes x where it lives (the parameter)."""
+    ops, which reads g where it is (``p.grad``) and writes x where it lives (the parameter); on
+    the CUDA path one launch (``cuda._momentum_step``, the CPU kernel's bits) where
+    :func:`local_step_on_device` would take the tensors. ``grad`` is not checked: a COMPRESSED
+    step's, whose skip was agreed before."""
     if not _fusable((grad, param, exp_avg, denom), mask, step):
+        if _device_kernel_takes((grad, param, exp_avg, denom), mask, grad, step):
+            from . import cuda as _cuda
+            _cuda.momentum_step(grad, param, exp_avg, denom, mask, _scalars(**step))
+            return
         reference.local_step(grad, param, exp_avg, denom, mask=mask, **step)
         return
     cpu.local_step(*_flat(grad, param, exp_avg, denom), _NO_ARRAY if mask is None else _flat(mask)[0],

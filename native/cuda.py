@@ -569,6 +569,18 @@ def _local_step(g, x, m, s, mask, flags, row, c, decay, l2, w, step_size):
 
 
 @cuda.jit
+def _momentum_step(g, x, m, s, mask, c, decay, l2, w, step_size):
+    """A COMPRESSED step's update on one bucket, one thread per element, g known finite (the
+    step's skip agreed before): :func:`_local_one` on each element (``cpu.local_step``, whose
+    arguments these are)."""
+    i = cuda.grid(1)
+    if i < g.shape[0]:
+        small, coeff, has_l2, masked = _local_flags(w, l2, mask)
+        mk = np.float32(mask[i]) if masked else np.float32(1.0)
+        x[i], m[i] = _local_one(g[i], x[i], m[i], s[i], mk, c, decay, l2, coeff, small, has_l2, step_size)
+
+
+@cuda.jit
 def _local_window(g, x, m, s, mask, a, out, flags, row, c, decay, l2, w, step_size, dp):
     """SYNC steps 1–3 on one bucket in one cooperative launch, x and m left as they are
     (``cpu.local_window_update``): out = a·dp − x', x' the LOCAL step's new x
@@ -932,3 +944,11 @@ def variance_step(g, x, m, v, s, mask, scalars):
     eight float32 scalars in order), one launch on the current stream."""
     mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
     _variance_step[_grid(g.numel()), TPB, _stream(g)](_arr(g), _arr(x), _arr(m), _arr(v), _arr(s), mk, *scalars)
+
+
+@_entry
+def momentum_step(g, x, m, s, mask, scalars):
+    """:func:`_momentum_step` on torch tensors (``mask`` None or bool/uint8[n]; ``scalars``: its
+    five float32 scalars in order), one launch on the current stream."""
+    mk = _arr(_empty(g.device, torch.uint8) if mask is None else mask)
+    _momentum_step[_grid(g.numel()), TPB, _stream(g)](_arr(g), _arr(x), _arr(m), _arr(s), mk, *scalars)

@@ -44,6 +44,10 @@ SHARED = {
     "_local_window": "float32[::1], float32[::1], float32[::1], float32[::1], uint8[::1], float32[::1], "
                      "float32[::1], int32[:, ::1], int64, float32, float32, float32, float32, float32, float32",
     "_sync_rebuild": "float32[::1], float32[::1], float32[::1], float32[::1], float32[::1], float32, float32",
+    "_momentum_step": "float32[::1], float32[::1], float32[::1], float32[::1], uint8[::1], "
+                      "float32, float32, float32, float32, float32",
+    "_variance_step": "float32[::1], float32[::1], float32[::1], float32[::1], float32[::1], uint8[::1], "
+                      "float32, float32, float32, float32, float32, float32, float32, float32",
 }
 Y = {"f32": "float32[::1]", "f16": "int16[::1]", "bf16": "int16[::1]"}
 

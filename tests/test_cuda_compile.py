@@ -26,5 +26,5 @@ def test_every_cuda_kernel_compiles_to_ptx_for_a_gpu():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert "0 of 20 kernels failed to compile for sm_90" in out, out[-3000:]
-    assert sum(line.startswith("ok ") for line in out.splitlines()) == 20, out[-3000:]
+    assert "0 of 22 kernels failed to compile for sm_90" in out, out[-3000:]
+    assert sum(line.startswith("ok ") for line in out.splitlines()) == 22, out[-3000:]

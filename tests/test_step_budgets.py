@@ -2,8 +2,9 @@
 
 The counted model is ``bench step``'s GPT layout (102 tensors in 24 buckets), scaled down; the
 counts do not depend on the tensors' sizes. Budgets per step, B buckets: a VARIANCE step makes
-at most one numba launch and three collectives per bucket, at most one host synchronisation
-and moves at most AdamW(foreach)'s 80 bytes per parameter; a LOCAL step one numba launch per
+at most two numba launches (the check of the average, then the update: over the budget of one)
+and three collectives per bucket, at most one host synchronisation and moves at most
+AdamW(foreach)'s 80 bytes per parameter; a LOCAL step one numba launch per
 bucket (its finiteness check inside), at most 2·B + 10 torch ops, no collective, no host
 synchronisation and no allocation, within the same 80 bytes; a COMPRESSED or SYNC step reads
 every bucket's skip flags in one host synchronisation (a COMPRESSED step after a VARIANCE step
@@ -30,11 +31,14 @@ def counted():
     return count.count("cpu", 2, kinds=("variance", "local", "compressed", "sync"))
 
 
-def test_a_variance_step_averages_one_bucket_per_collective_and_checks_it_in_one_pass(counted):
+def test_a_variance_step_averages_one_bucket_per_collective_checks_it_and_steps_in_one_pass(counted):
+    """A bucket's average is checked in one pass, then its Adam update is one more
+    (native.variance_step): two kernel calls a bucket, over the budget of one (every bucket's
+    check must come before any bucket's update, for the step's skip is agreed as a whole)."""
     b, v = counted["buckets"], counted["kinds"]["variance"]
     assert b == 24
     assert v["collectives"] <= 3 * b, v
-    assert v["numba_launches"] <= b, v
+    assert v["numba_launches"] <= 2 * b, v
     assert v["host_syncs"] <= 1, v
     assert v["bytes_per_param"] <= 80, v
 
@@ -85,10 +89,11 @@ def test_a_compressed_or_sync_step_reads_its_messages_into_buffers_it_keeps(coun
 
 def test_a_variance_step_averages_in_place_in_the_flat_gradient_storage(counted):
     """Every p.grad is a view of its bucket's flat gradient storage, averaged there: no gather of
-    the gradients, no write-back per tensor (was 686 ops and 96 allocations; what allocates now
-    is the thread transport, two a bucket, and the denominator, one)."""
+    the gradients, no write-back per tensor (was 686 ops and 96 allocations), and the update one
+    kernel call writing the kept denominator (was 410 ops: torch's nine a bucket). What
+    allocates is the thread transport."""
     b, v = counted["buckets"], counted["kinds"]["variance"]
-    assert v["torch_ops"] <= 18 * b and v["allocations"] <= 3 * b, v
+    assert v["torch_ops"] <= 9 * b and v["allocations"] <= 3 * b, v
 
 
 @pytest.mark.parametrize("kind, per_bucket", [("compressed", 48), ("sync", 36)])

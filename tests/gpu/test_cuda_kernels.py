@@ -355,6 +355,27 @@ def test_the_rebuild_kernel_is_bitwise_the_reference(n, seed, decay, factor, spe
         assert torch.equal(bits(a), bits(b)), (name, (a.cpu() - b).abs().max())
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(case=local_cases())
+def test_the_compressed_update_kernel_is_bitwise_the_reference(case):
+    """native.local_step on the CUDA path (a COMPRESSED step's update: one launch of
+    cuda._momentum_step, no check, the step's skip agreed before) against the torch reference,
+    which the CPU kernel gives bit for bit: x and m bitwise, signed zeros included."""
+    if not native._kernel_matches_torch():
+        pytest.skip(f"torch's {torch.backends.cpu.get_cpu_capability()} kernels round lerp unfused: the torch ops run")
+    g, x, m, s, mask, step = case
+    g = torch.nan_to_num(g, nan=0.5, posinf=1.0, neginf=-1.0)  # a COMPRESSED step's ĝ is finite
+    want_x, want_m = x.clone(), m.clone()
+    reference.local_step(g, want_x, want_m, s, mask=mask, **step)
+    got_x, got_m = dev(x.clone()), dev(m.clone())
+    with cuda_path(), mock.patch.object(kcuda, "momentum_step", wraps=kcuda.momentum_step) as kernel:
+        native.local_step(dev(g), got_x, got_m, dev(s), mask=None if mask is None else dev(mask), **step)
+    assert kernel.call_count == 1  # the kernel, not torch's ops
+    bits = lambda t: t.cpu().view(torch.int32)  # noqa: E731
+    assert torch.equal(bits(got_x), bits(want_x)), (got_x.cpu() - want_x).abs().max()
+    assert torch.equal(bits(got_m), bits(want_m)), (got_m.cpu() - want_m).abs().max()
+
+
 @st.composite
 def variance_cases(draw):
     """(g, x, m, v, mask, step) of one bucket for a VARIANCE step: :func:`local_cases`'s tensors
