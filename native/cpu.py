@@ -625,11 +625,11 @@ def _fma(typingctx, a, b, c):
 def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size):
     """One element of a LOCAL step: (x', m'). Selects, not branches, so that the loops
     vectorise; x·1 and m·1 are x and m bit for bit."""
+    xi = xi * decay
+    gi = _fma(xi, l2, gi) if has_l2 else gi
     b = si * c
     gi = b if gi > b else gi
     gi = -b if gi < -b else gi
-    xi = xi * decay
-    gi = _fma(xi, l2, gi) if has_l2 else gi
     mi = _fma(coeff, gi - mi, mi if small else gi) * mk
     return xi + (step_size * mi) / si, mi
 

@@ -503,12 +503,12 @@ def _decompress(packed, sscales, offsets, chunk_numel, out, mode, exp_avg, weigh
 def _local_one(gi, xi, mi, si, mk, c, decay, l2, coeff, small, has_l2, step_size):
     """One element of a LOCAL step, (x', m'): ``cpu._local_one``'s operations in its order and
     roundings (x·decay rounded on its own, so that NVVM cannot fuse it into x·decay + q)."""
-    b = si * c
-    gi = b if gi > b else gi
-    gi = -b if gi < -b else gi
     xi = _mul_rn(xi, decay)
     if has_l2:
         gi = _fma(xi, l2, gi)
+    b = si * c
+    gi = b if gi > b else gi
+    gi = -b if gi < -b else gi
     mi = _fma(coeff, gi - mi, mi if small else gi) * mk
     return xi + (step_size * mi) / si, mi
 

@@ -185,23 +185,25 @@ def local_step(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, d
     formula, which :func:`hvd_zoadam.core.step_math.momentum_step` calls and the CPU kernel matches
     bitwise.
 
-    In order, each operation torch's own: g ← clamp(g, −s·c, s·c) with c = ``bound_factor``
-    (when given; s·c rounded once); x ← x·``decay`` (AdamW's 1 − γλ, when != 1);
-    g ← g + ``l2``·x (Adam's L2 term, when != 0; ``add(alpha=)``); m ← ``m.lerp(g, weight)``
+    In order, each operation torch's own: x ← x·``decay`` (AdamW's 1 − γλ, when != 1);
+    g ← g + ``l2``·x (Adam's L2 term, when != 0; ``add(alpha=)``); g ← clamp(g, −s·c, s·c)
+    with c = ``bound_factor`` (when given; s·c rounded once), after the L2 term: with v frozen
+    an unbounded λ·x/s would make x ← x·(1 − γλ/s) grow where s is small (the step of a
+    coordinate is then at most γ·c/(1 − β1^t), as Adam's own); m ← ``m.lerp(g, weight)``
     (weight = 1 − β1); m ← m·mask (when given); x ← ``x.addcdiv(m, s, value=step_size)``
     (step_size = −γ/(1 − β1^t)).
 
     ``grad`` (g), ``param`` (x), ``exp_avg`` (m), ``denom`` (s): float32[n]; ``mask``: bool or
     uint8[n] or None. ``grad`` is not changed.
     """
-    if bound_factor is not None:
-        bound = torch.mul(denom, bound_factor)
-        grad = torch.minimum(grad, bound)
-        torch.maximum(grad, bound.neg_(), out=grad)
     if decay != 1.0:
         param.mul_(decay)
     if l2 != 0.0:
         grad = grad.add(param, alpha=l2)
+    if bound_factor is not None:
+        bound = torch.mul(denom, bound_factor)
+        grad = torch.minimum(grad, bound)
+        torch.maximum(grad, bound.neg_(), out=grad)
     exp_avg.lerp_(grad, weight)
     if mask is not None:
         exp_avg.mul_(mask)

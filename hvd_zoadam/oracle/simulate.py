@@ -258,11 +258,13 @@ class _Run:
         return out
 
     def momentum(self, x_: torch.Tensor, m_: torch.Tensor, grad: torch.Tensor, denom: torch.Tensor, lr: float,
-                 bc1: float, mask: torch.Tensor | None):  # all ranks' rows, or one rank's
+                 bc1: float, mask: torch.Tensor | None, bound: torch.Tensor | None = None):  # all ranks', or one's
         if self.decoupled and self.has_decay:
             x_.mul_(1 - lr * self.weight_decay)
         if not self.decoupled and self.weight_decay:
             grad = grad.add(x_, alpha=self.weight_decay)
+        if bound is not None:  # after the L2 term, as reference.local_step
+            grad = torch.maximum(torch.minimum(grad, bound), -bound)
         m_.lerp_(grad, 1 - self.beta1)
         if mask is not None:
             m_.mul_(mask)
@@ -318,14 +320,12 @@ class _Run:
         """LOCAL, and the local part of SYNC, then a SYNC step's exchange and rebuild."""
         denom = self.adam_denom(self.k)
         finite = torch.isfinite(g).all(dim=1)
-        if self.precondition:
-            b = denom * self.bound(self.k)
-            g = torch.maximum(torch.minimum(g, b), -b)
+        bound = denom * self.bound(self.k) if self.precondition else None
         if bool(finite.all()):
-            self.momentum(self.x, self.m, g, denom, lr, bc1, mask)
+            self.momentum(self.x, self.m, g, denom, lr, bc1, mask, bound)
         else:  # a rank whose gradient is not finite skips its local step
             for r in finite.nonzero().flatten().tolist():
-                self.momentum(self.x[r], self.m[r], g[r], denom, lr, bc1, mask)
+                self.momentum(self.x[r], self.m[r], g[r], denom, lr, bc1, mask, bound)
         self.lr_sum += lr
         if self.decoupled and self.has_decay:
             self.decay = self.decay * (1 - lr * self.weight_decay)
