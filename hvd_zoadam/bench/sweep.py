@@ -305,15 +305,22 @@ def _variant_gaps(report: dict, index: int, seeds: int, adam: float) -> dict:
 
 def plot(report: dict, path: str) -> None:
     """The gap of each finished set-up (the mean's, a bar; each seed's, a dot), sorted, with the
-    goal's 1 % and 2 % lines, as a PNG at ``path`` (matplotlib, Agg)."""
+    goal's 1 % and 2 % lines, as a PNG at ``path`` (matplotlib, Agg); the axis ends at ±10 %,
+    a gap past it drawn at the edge with its value written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = sorted(((int(i), s) for i, s in report["setups"].items() if "gap" in s), key=lambda r: r[1]["gap"])
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows) + 2), 4))
+    lim = 10.0  # percent: a gap past it is drawn at the edge and written out
     for x, (i, s) in enumerate(rows):
-        ax.bar(x, 100 * s["gap"], color="tab:green" if s["passed"] else "tab:red", alpha=0.6)
-        ax.plot([x] * len(s["gap_per_seed"]), [100 * g for g in s["gap_per_seed"]], "k.", ms=4)
+        gap = 100 * s["gap"]
+        ax.bar(x, max(-lim, min(lim, gap)), color="tab:green" if s["passed"] else "tab:red", alpha=0.6)
+        ax.plot([x] * len(s["gap_per_seed"]), [max(-lim, min(lim, 100 * g)) for g in s["gap_per_seed"]], "k.", ms=4)
+        if abs(gap) > lim:
+            ax.annotate(f"{gap:+.3g} %", (x, lim if gap > 0 else -lim), ha="center", va="bottom" if gap > 0 else "top",
+                        fontsize=7)
+    ax.set_ylim(-lim * 1.15, lim * 1.15)
     for y, style in ((1, "--"), (2, ":")):
         ax.axhline(y, color="grey", ls=style, lw=1)
     ax.axhline(0, color="black", lw=0.8)
