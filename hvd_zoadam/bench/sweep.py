@@ -231,7 +231,7 @@ def _train(todo: list, setups: list, args: argparse.Namespace):
     """Yields ``((set-up, seed, variant), row)`` for each run of ``todo``: in this process in
     order with ``--jobs 1``, else in ``--jobs`` processes as they finish. Each run seeds its own
     model and batches, so a row does not depend on which process trains it or in what order."""
-    def say(i, seed, variant):  # before the run with --jobs 1, after it with more
+    def say(i: int, seed: int, variant: str) -> None:  # before the run with --jobs 1, after it with more
         print(f"[sweep] set-up {i} {setups[i]} seed {seed} {variant}", file=sys.stderr, flush=True)
     if args.jobs == 1:
         for i, seed, variant in todo:
