@@ -55,10 +55,25 @@ def test_the_freeze_is_twice_the_warmup_but_not_before_vs_updates_or_a_quarter_o
     assert decide(AutoFreeze(kappa, beta2), warmup_cosine(warmup, 4 * want), 4 * want) == (want, want)
 
 
-def test_a_constant_or_decaying_rate_freezes_at_the_earliest_step():
+def test_a_decaying_rate_freezes_at_the_earliest_step():
     rule = AutoFreeze(8, 0.98)
-    assert decide(rule, lambda t: 1e-3, 500) == (120, 120)
     assert decide(rule, lambda t: 1e-3 * 0.99 ** t, 500) == (120, 120)
+
+
+@pytest.mark.parametrize("beta2, want", [(0.98, 240), (0.999, 500)])
+def test_a_rate_that_has_not_fallen_waits_for_twice_the_earliest_step(beta2, want):
+    """E = 120 at beta2 = 0.98, 250 at 0.999: a constant rate, with or without a warm-up shorter
+    than E, freezes at 2E; a warm-up longer than E still at twice the warm-up."""
+    rule = AutoFreeze(8, beta2)
+    assert decide(rule, lambda t: 1e-3, 1000) == (want, want)
+    assert decide(rule, lambda t: 1e-3 * min(1.0, t / 30), 1000) == (want, want)
+    assert decide(rule, lambda t: 1e-3 * min(1.0, t / 300), 1000) == (600, 600)
+
+
+@pytest.mark.parametrize("drop, want", [(90, 120), (180, 180), (300, 240)])
+def test_a_step_schedule_freezes_at_its_first_drop_between_the_earliest_step_and_twice_it(drop, want):
+    """E = 120: a drop before E freezes at E, one between E and 2E at the drop, a later one at 2E."""
+    assert decide(AutoFreeze(8, 0.98), lambda t: 1e-3 * (0.3 if t >= drop else 1.0), 1000) == (want, want)
 
 
 def test_a_warmup_that_rises_in_plateaus_is_not_taken_as_over_on_its_first_plateau():
@@ -176,7 +191,8 @@ def test_the_decision_is_logged_once_on_rank_0(caplog):
         run_threads(2, lambda r, t: _train(r, t, 130, lr_fn))
     decided = [r.getMessage() for r in caplog.records if "v freezes after step" in r.getMessage()]
     assert decided == ["hvd_zoadam: v freezes after step 120 (var_freeze_step='auto': twice the warm-up, the "
-                       "learning rate's last rise at step 10, and at least 120 steps)"]
+                       "learning rate's last rise at step 10, and at least 120 steps, or 240 while the rate has "
+                       "not fallen)"]
 
 
 def test_schedule_with_a_decided_freeze_is_the_plain_schedule():
@@ -212,27 +228,27 @@ def test_a_schedule_and_every_front_end_read_one_set_of_defaults():
 
 
 @pytest.mark.parametrize("decay", [False, True])
-def test_a_constant_rate_that_froze_v_at_the_earliest_step_gets_a_word_once(caplog, decay):
-    """Earliest T_f at kappa = 1, beta2 = 0.98: 13. With a constant rate v freezes there, and from
-    step 2 x 13 = 26 schedule_state()["risk"] says so with what to set (twice T_f), rank 0 logging
-    it once; a rate that decays after the freeze gets no word."""
+def test_a_constant_rate_that_froze_v_late_gets_a_word_once(caplog, decay):
+    """Earliest T_f at kappa = 1, beta2 = 0.98: 13. With a rate that has not fallen v freezes at
+    twice that, 26, and from step 2 x 26 = 52 schedule_state()["risk"] says so with what to set
+    (twice T_f), rank 0 logging it once; a rate that decays after the freeze gets no word."""
     model = common.mlp()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
     opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                           transport=ThreadGroup(1).transports()[0], var_update_scaler=1)
     risks = []
     with caplog.at_level(logging.INFO, logger="hvd_zoadam"):
-        for t in range(1, 41):
+        for t in range(1, 71):
             for group in opt.param_groups:
-                group["lr"] = 1e-3 * (0.98 ** max(0, t - 14) if decay else 1.0)
+                group["lr"] = 1e-3 * (0.98 ** max(0, t - 27) if decay else 1.0)
             opt.zero_grad()
             common.loss_fn(model, t, 0).backward()
             opt.step()
             risks.append(opt.schedule_state()["risk"])
-    assert opt.schedule_state()["var_freeze_step"] == 13
-    words = [r for r in caplog.records if "set var_freeze_step=26" in r.getMessage()]
+    assert opt.schedule_state()["var_freeze_step"] == 26
+    words = [r for r in caplog.records if "set var_freeze_step=52" in r.getMessage()]
     if decay:
-        assert risks == [None] * 40 and words == []
+        assert risks == [None] * 70 and words == []
     else:
-        assert risks[:25] == [None] * 25 and all(r and "set var_freeze_step=26" in r for r in risks[25:])
+        assert risks[:51] == [None] * 51 and all(r and "set var_freeze_step=52" in r for r in risks[51:])
         assert len(words) == 1 and words[0].levelno == logging.WARNING

@@ -211,15 +211,20 @@ class AutoFreeze:
     """``var_freeze_step="auto"`` (algorithm.md §4, "The freeze, decided during training"): T_f
     from the learning rate, which every rank reads alike, so that no rank asks another.
 
-    T_f is the first step t at which t >= 2W and t >= E: W the last step so far whose learning
-    rate rose above the step before's (0 while it has not risen), so that the warm-up is over
-    once the rate has not risen for as long as it rose (a warm-up that rises in plateaus, as one
-    stepped per epoch, is not taken as over on a plateau); and E = max(S, ⌈(1/4)/(1 − β2)⌉), no
-    earlier than S, the step by which v has had min(4κ, 32) updates (120 at κ = 8, the end of
-    T_v's fourth interval; 56 at κ = 14), nor than a quarter of v's horizon 1/(1 − β2) (250 steps
-    at β2 = 0.999, 13 at 0.98). So twice the warm-up, E with a constant or only decaying rate.
-    Once decided, T_f never changes. A rate that stays flat for E steps and only then rises (a
-    warm-up stepped per epoch of more than E steps) freezes at E, before its rise.
+    T_f is the first step t at which t >= 2W and t >= E and, unless t >= 2E, the rate has fallen
+    since its last rise: W the last step so far whose learning rate rose above the step before's
+    (0 while it has not risen), so that the warm-up is over once the rate has not risen for as
+    long as it rose (a warm-up that rises in plateaus, as one stepped per epoch, is not taken as
+    over on a plateau); and E = max(S, ⌈(1/4)/(1 − β2)⌉), no earlier than S, the step by which v
+    has had min(4κ, 32) updates (120 at κ = 8, the end of T_v's fourth interval; 56 at κ = 14),
+    nor than a quarter of v's horizon 1/(1 − β2) (250 steps at β2 = 0.999, 13 at 0.98). So twice
+    the warm-up, or E with a decaying rate; a rate that has not fallen since its warm-up (a
+    constant rate, or a step schedule before its first drop) waits for its first fall or 2E (240
+    at κ = 8 and β2 <= 0.99), because v frozen at E and used at the full rate for the rest of
+    the run cost 0/1 Adam 1.3–1.9 % against Adam over a random sweep (docs/performance.md, "The
+    defaults over a random sweep"). Once decided, T_f never changes. A rate that stays flat for
+    2E steps and only then rises (a warm-up stepped per epoch of more than 2E steps) freezes at
+    2E, before its rise.
 
     Args:
         var_update_scaler: κ of the schedule. beta2: β2 of the first param group.
@@ -235,7 +240,7 @@ class AutoFreeze:
 
     def observe(self, state: dict, step: int, lr: float) -> int | None:
         """Take step ``step``'s learning rate into ``state`` (a dict the caller keeps, the same on
-        every rank: ``lr_rise_step``, ``last_lr``, ``var_freeze_step``; empty at first), and
+        every rank: ``lr_rise_step``, ``lr_fall_step``, ``last_lr``, ``var_freeze_step``; empty at first), and
         return T_f once decided (also ``state["var_freeze_step"]``), else None. Pure but for
         ``state``: the same calls give the same answers on every rank. T_f is ``step`` itself
         when decided, so the kind of ``step`` does not depend on whether it was observed."""
@@ -244,8 +249,12 @@ class AutoFreeze:
         last = state.get("last_lr")
         if last is not None and lr > last:
             state["lr_rise_step"] = step
+        if last is not None and lr < last:
+            state["lr_fall_step"] = step
         state["last_lr"] = float(lr)
-        if step >= 2 * (state.get("lr_rise_step") or 0) and step >= self.earliest():
+        rise, earliest = state.get("lr_rise_step") or 0, self.earliest()
+        fallen = (state.get("lr_fall_step") or 0) > rise
+        if step >= 2 * rise and step >= earliest and (fallen or step >= 2 * earliest):
             state["var_freeze_step"] = step
         return state.get("var_freeze_step")
 
@@ -259,18 +268,19 @@ def constant_rate_freeze_risk(auto: AutoFreeze | None, step: int, var_freeze_ste
                               freeze_lr: float | None) -> str | None:
     """The regime in which the random sweep found the defaults' freeze costly (docs/performance.md,
     "The defaults over a random sweep"), as a sentence with what to set, else None: under
-    ``var_freeze_step="auto"``, v froze at the earliest step the rule allows (``auto.earliest()``,
-    so the warm-up did not decide it) and the learning rate ``lr`` at ``step`` is still the rate
-    at the freeze ``freeze_lr``, ``step`` at least twice the freeze: a constant rate, on which v
-    froze early. Pure: every rank gives the same answer."""
-    if auto is None or var_freeze_step is None or freeze_lr is None or var_freeze_step != auto.earliest():
+    ``var_freeze_step="auto"``, v froze at twice the earliest step (``2 * auto.earliest()``: the
+    rate had not fallen by then, so the warm-up did not decide it) and the learning rate ``lr`` at
+    ``step`` is still the rate at the freeze ``freeze_lr``, ``step`` at least twice the freeze: a
+    long run at a constant rate, where a later freeze did better. Pure: every rank gives the same
+    answer."""
+    if auto is None or var_freeze_step is None or freeze_lr is None or var_freeze_step != 2 * auto.earliest():
         return None
     if step < 2 * var_freeze_step or lr != freeze_lr:
         return None
-    return (f"v froze after step {var_freeze_step}, the earliest var_freeze_step='auto' allows, and the learning "
-            f"rate has not changed since: on a constant rate v can freeze too early (a random sweep of set-ups found "
-            f"0/1 Adam 1.7 % behind Adam there, 0.6 % with the freeze twice as late). If the loss trails Adam's, "
-            f"set var_freeze_step={2 * var_freeze_step}.")
+    return (f"v froze after step {var_freeze_step} with the learning rate unchanged since its warm-up, and the rate "
+            f"has not changed since: on a long run at a constant rate v can freeze too early (a random sweep of "
+            f"set-ups found 0/1 Adam 1.7 % behind Adam on a 1,134-step run frozen at step 240, 0.2 % frozen at step "
+            f"480). If the loss trails Adam's, set var_freeze_step={2 * var_freeze_step}.")
 
 
 @functools.lru_cache(maxsize=16)

@@ -293,8 +293,8 @@ class StepDriver:
             return
         if decided is not None:
             _log.info("hvd_zoadam: v freezes after step %d (var_freeze_step='auto': twice the warm-up, the learning "
-                      "rate's last rise at step %d, and at least %d steps)", decided,
-                      counters.get("lr_rise_step") or 0, auto.earliest())
+                      "rate's last rise at step %d, and at least %d steps, or %d while the rate has not fallen)",
+                      decided, counters.get("lr_rise_step") or 0, auto.earliest(), 2 * auto.earliest())
         elif counters["step"] == 4 * auto.earliest():
             _log.warning("hvd_zoadam: var_freeze_step='auto' has not frozen v by step %d: the learning rate is still "
                          "rising (last at step %d). v freezes at twice the warm-up once the rate has stopped rising "

@@ -45,7 +45,7 @@ class StepContext:
 
     engine: the :class:`~hvd_zoadam.core.engine.Engine`. step: t. counters: the shared counters
     dict (``step``, ``exp_avg_sq_steps``, ``freeze_lr``, and under ``var_freeze_step="auto"``
-    ``var_freeze_step``, ``lr_rise_step``, ``last_lr``), identical on all ranks.
+    ``var_freeze_step``, ``lr_rise_step``, ``lr_fall_step``, ``last_lr``), identical on all ranks.
     exchanged: ``p.grad`` holds this step's exchange result (not the local gradient).
     exchange: ``exchange(buckets, fill, consume, consume_packed=None) -> bool``, the 1-bit
     exchange of :func:`hvd_zoadam.comm.protocol.exchange_buckets` (False: skipped on every rank).
