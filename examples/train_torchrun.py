@@ -127,6 +127,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=0, help="save to --ckpt every this many iterations (0: only "
                     "at --stop-at)")
     ap.add_argument("--resume", action="store_true", help="load --ckpt on every rank and go on from its iteration")
+    ap.add_argument("--compile", choices=["off", "model", "blocks"], default="off",
+                    help="torch.compile the model as a whole (its backward is one graph: every gradient is ready "
+                    "at its end, so no exchange overlaps it) or block by block (gradients ready block by block)")
     ap.add_argument("--stop-at", type=int, default=0, help="end after this many iterations, saving to --ckpt "
                     "if given (0: run all --steps)")
     args = ap.parse_args(argv)
@@ -158,6 +161,12 @@ def main(argv=None) -> None:
         opt = zd.DistributedOptimizer(opt, model.named_parameters())
         zd.broadcast_parameters(model.state_dict(), root_rank=0)
         no_sync = opt.no_sync
+
+    if args.compile == "model":
+        train_model = torch.compile(train_model)
+    elif args.compile == "blocks":  # each block's forward (Module.compile() would skip torch.nn's own classes)
+        for layer in model.blocks.layers:
+            layer.forward = torch.compile(layer.forward)
 
     first = 0
     if args.resume:  # rank 0's file, on every rank
