@@ -10,6 +10,7 @@ habit, bit for bit.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,14 +74,21 @@ def assert_same_run(got, want):
 
 
 # the first step (its settings check compares the ranks), then steps whose exchange starts in
-# backward(): VARIANCE (2), COMPRESSED (3), SYNC (6; 5 is the first after the freeze), overlap on
-@pytest.mark.parametrize("noop_at", [(1,), (2,), (3,), (6,), (1, 3, 6)])
-def test_a_step_without_gradient_on_every_rank_changes_nothing(noop_at):
-    ref = run_threads(2, lambda rank, transport: train(rank, transport))
-    assert ref[0][1][:7] == ["variance", "variance", "compressed", "variance", "sync", "sync", "local"], ref[0][1]
-    got = run_threads(2, lambda rank, transport: train(rank, transport, noop_at))
+# backward(): VARIANCE (2), COMPRESSED (3), SYNC (6; 5 is the first after the freeze), overlap on;
+# and LOCAL steps (7, 9), which send nothing, with overlap on or off
+@pytest.mark.parametrize("noop_at, overlap", [((1,), True), ((2,), True), ((3,), True), ((6,), True),
+                                              ((1, 3, 6), True), ((7,), True), ((7, 9), False)])
+def test_a_step_without_gradient_on_every_rank_changes_nothing(noop_at, overlap):
+    ref = run_threads(2, lambda rank, transport: train(rank, transport, overlap=overlap))
+    assert ref[0][1][:9] == ["variance", "variance", "compressed", "variance", "sync", "sync", "local", "sync",
+                             "local"], ref[0][1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_threads(2, lambda rank, transport: train(rank, transport, noop_at, overlap=overlap))
     for rank in range(2):
         assert_same_run(got[rank], ref[rank])
+    said = [str(w.message) for w in caught if "with no gradient at a LOCAL step" in str(w.message)]
+    assert len(said) == (2 if 7 in noop_at else 0), said  # once a rank, not once a step
 
 
 @pytest.mark.parametrize("noop_at", [(1,), (3,), (7,), (1, 6, 7, 9)])
@@ -93,13 +101,12 @@ def test_one_rank_a_step_without_gradient_changes_nothing_at_any_step(noop_at):
 
 
 def test_a_step_without_gradient_where_the_ranks_cannot_compare_raises_on_each_rank():
-    """A LOCAL step (7) sends nothing, and with overlap off no flag precedes the exchange (3): a
-    rank without a gradient cannot know the others' and raises, saying so, before any collective."""
-    for noop_at, overlap in ((7,), True), ((3,), False):
-        got = run_threads(2, lambda rank, transport: _error(train, rank, transport, noop_at, overlap=overlap))
-        for rank, text in enumerate(got):
-            assert text.startswith(f"RuntimeError: hvd_zoadam: rank {rank} called step() with no gradient"), text
-            assert "this rank cannot know whether the others have a gradient" in text
+    """With overlap off no flag precedes a COMPRESSED step's exchange (3): a rank without a
+    gradient cannot know the others' and raises, saying so, before any collective."""
+    got = run_threads(2, lambda rank, transport: _error(train, rank, transport, (3,), overlap=False))
+    for rank, text in enumerate(got):
+        assert text.startswith(f"RuntimeError: hvd_zoadam: rank {rank} called step() with no gradient"), text
+        assert "this rank cannot know whether the others have a gradient" in text
 
 
 def test_one_rank_without_gradient_still_raises_on_every_rank():

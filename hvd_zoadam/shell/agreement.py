@@ -61,25 +61,42 @@ class StepAgreement:
         trainable = [p for b in self._buckets for p in b.params if p.requires_grad]
         return bool(trainable) and all(p.grad is None for p in trainable)
 
-    def _no_gradient_anywhere(self, no_gradient: bool, armed: bool) -> bool:
+    def _no_gradient_anywhere(self, no_gradient: bool, armed: bool, exchanges: bool) -> bool:
         """Whether no rank has a gradient (``no_gradient``: this rank's :meth:`_no_gradient_here`),
         so that the step changes nothing on any rank, as ``torch.optim.Adam.step()`` without
         gradients (Horovod's habit of a step before training, with no ``backward()``). Known
         here at P = 1 and at the first step, whose settings check compares it (some rank
         without a gradient: ValueError on every rank); where overlap is armed the step's flag
-        carries it (:meth:`_agree_on_step`; False here). At any other step of P > 1 ranks (a
-        LOCAL step, overlap off, a GradScaler) nothing is sent before the exchange that could
-        carry it: a rank without a gradient raises alone (:meth:`_refuse_without_backward`)."""
+        carries it (:meth:`_agree_on_step`; False here). A step that ``exchanges`` nothing (a
+        LOCAL step) changes nothing on a rank without a gradient, as torch's, whatever the
+        others do: no rank waits for it, and the ranks' counters stay what their own steps
+        made them (a rank that skipped backward() alone is one step behind; such a rank warns
+        once with what follows). At any other step of P > 1 ranks (overlap off, a GradScaler)
+        nothing is sent before the exchange that could carry it: a rank without a gradient
+        raises alone (:meth:`_refuse_without_backward`)."""
         if not self._checked_layout:
             self._check_layout(no_gradient)
             return no_gradient
         if no_gradient and not armed and self.world_size > 1:
+            if not exchanges:
+                self._warn_no_gradient_at_local()
+                return True
             self._refuse_without_backward()
         return no_gradient and not armed
 
+    def _warn_no_gradient_at_local(self) -> None:
+        if getattr(self, "_warned_no_gradient", False):
+            return
+        self._warned_no_gradient = True
+        warnings.warn(f"hvd_zoadam: rank {self.transport.rank} called step() with no gradient at a LOCAL step (no "
+                      "backward() since the last zero_grad()): the step changed nothing on this rank, as torch's "
+                      "optimizers do. Where every rank did so (a no-op step), nothing follows; if other ranks had "
+                      "gradients, this rank's optimizer is now one step behind theirs, and the runs of its "
+                      "collectives pair with their next ones. Every rank must run backward() before each step().")
+
     def _refuse_without_backward(self) -> None:
         """RuntimeError on this rank alone, for a step without ``backward()`` that carries no flag
-        (a LOCAL step, or overlap off): no collective of the step has started here."""
+        (overlap off, or a GradScaler): no collective of the step has started here."""
         self._reset_passes()
         raise RuntimeError("hvd_zoadam: " + _no_backward_message(f"rank {self.transport.rank}") + (
             " A step without a gradient on every rank changes nothing where the ranks can compare it (the first "
