@@ -153,3 +153,22 @@ def test_a_variant_run_on_chosen_setups_reports_its_gap_and_freeze_2w_freezes_wh
     assert sweep.run_one(setup, 0, "freeze-at-3", _args(QUICK))["frozen_at"] == 4
     with pytest.raises(sweep.SweepError, match="unknown \\['exact'\\]"):
         sweep.run(_args([*QUICK, "--variants", "exact"]))
+
+
+def test_the_markdown_table_has_a_row_per_finished_setup_with_its_numbers():
+    setup = {"workload": "mlp", "lr": 0.00325, "beta2": 0.98, "steps": 431, "warmup": 59, "lr_schedule": "constant",
+             "weight_decay": 0.008, "weight_decay_style": "l2", "batch_size": 6}
+    report = {"setups": {
+        "0": {"setup": setup, "adam_mean": 1.30429, "adam_spread": 0.0137, "zoadam_mean": 1.31162,
+              "zoadam_spread": 0.0155, "gap": 0.00562, "bytes_vs_adam": 0.13055, "frozen_at": [241, 241],
+              "passed": True},
+        "1": {"setup": {**setup, "weight_decay_style": "decoupled"}, "adam_mean": 2.0, "adam_spread": 0.0,
+              "zoadam_mean": 1.9, "zoadam_spread": 0.0, "gap": -0.05, "bytes_vs_adam": 0.2,
+              "frozen_at": [None, None], "passed": False},
+        "2": {"setup": setup}}}  # not finished: no row
+    lines = sweep.table(report).splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| # | model |")
+    assert lines[2] == ("| 0 | mlp | 431 (59) | constant | 0.00325 | 0.98 | 0.008 L2 | 6 | 1.3043 ± 1.4 % | "
+                        "1.3116 ± 1.6 % | +0.56 % | 0.131 | 240 | yes |")
+    assert lines[3].endswith("| 0.008 AdamW | 6 | 2.0000 ± 0.0 % | 1.9000 ± 0.0 % | −5.00 % | 0.200 | — | **no** |"), \
+        lines[3]

@@ -219,6 +219,8 @@ def run(args: argparse.Namespace) -> dict:
     _write(args.json, report)
     if args.png:
         plot(report, args.png)
+    if getattr(args, "markdown", None):
+        Path(args.markdown).write_text(table(report))
     return report
 
 
@@ -334,6 +336,32 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def table(report: dict) -> str:
+    """The finished set-ups of ``report`` as a Markdown table, one row each in set-up order: the
+    set-up (steps with the warm-up, schedule, peak lr, β2, weight decay and its style, batch per
+    rank), Adam's and 0/1 Adam's mean validation loss ± their spread over the seeds (max − min
+    over the mean), the gap of the means, 0/1 Adam's bytes over Adam's, T_f (the last step
+    before v froze, the first seed's; "—": not frozen) and whether it passes."""
+    lines = ["| # | model | steps (warm-up) | schedule | lr | β2 | decay | batch | Adam ± spread | "
+             "0/1 Adam ± spread | gap | bytes | T_f | passes |", "|" + "---|" * 14]
+    for i, out in sorted(((int(i), s) for i, s in report["setups"].items() if "passed" in s)):
+        u = out["setup"]
+        style = "AdamW" if u["weight_decay_style"] == "decoupled" else "L2"
+        if out.get("diverged"):
+            lines.append(f"| {i} | {u['workload']} | {u['steps']} ({u['warmup']}) | {u['lr_schedule']} | "
+                         f"{u['lr']} | {u['beta2']} | {u['weight_decay']} {style} | {u['batch_size']} | diverged "
+                         "| | | | | **no** |")
+            continue
+        frozen = out["frozen_at"][0]
+        lines.append(
+            f"| {i} | {u['workload']} | {u['steps']} ({u['warmup']}) | {u['lr_schedule']} | {u['lr']} | {u['beta2']} "
+            f"| {u['weight_decay']} {style} | {u['batch_size']} | {out['adam_mean']:.4f} ± "
+            f"{100 * out['adam_spread']:.1f} % | {out['zoadam_mean']:.4f} ± {100 * out['zoadam_spread']:.1f} % | "
+            f"{100 * out['gap']:+.2f} % | {out['bytes_vs_adam']:.3f} | {'—' if frozen is None else frozen - 1} | "
+            f"{'yes' if out['passed'] else '**no**'} |")
+    return "\n".join(lines).replace("| -", "| −") + "\n"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sw = sub.add_parser("sweep", help="0/1 Adam with the library's defaults against Adam over random training "
                                       "set-ups, several seeds each (resumable)")
@@ -356,5 +384,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="runs trained at once, each in its own process (the rows are the same as with 1)")
     sw.add_argument("--vmap-chunk-size", type=int, default=4, help="ranks per vmap'd call (0: all at once)")
     sw.add_argument("--png", help="the plot of the gaps")
+    sw.add_argument("--markdown", help="the per-set-up table (Markdown) of the finished set-ups")
     sw.add_argument("--json", help="the report, rewritten after each run; an existing one is resumed")
     sw.set_defaults(run=run)
