@@ -252,3 +252,26 @@ def test_a_constant_rate_that_froze_v_late_gets_a_word_once(caplog, decay):
     else:
         assert risks[:51] == [None] * 51 and all(r and "set var_freeze_step=52" in r for r in risks[51:])
         assert len(words) == 1 and words[0].levelno == logging.WARNING
+
+
+@pytest.mark.parametrize("beta2", [0.95, 0.98])
+def test_beta2_of_095_gets_a_word_once_from_the_first_step(caplog, beta2):
+    """The sweep's other risky regime: beta2 <= 0.95 under the defaults. schedule_state()["risk"]
+    says so from the first step and rank 0 logs it once; beta2 = 0.98 gets no word."""
+    model = common.mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, beta2))
+    opt = hvd_zoadam.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                          transport=ThreadGroup(1).transports()[0])
+    risks = []
+    with caplog.at_level(logging.INFO, logger="hvd_zoadam"):
+        for t in range(1, 4):
+            opt.zero_grad()
+            common.loss_fn(model, t, 0).backward()
+            opt.step()
+            risks.append(opt.schedule_state()["risk"])
+    words = [r for r in caplog.records if "Prefer beta2 >= 0.98" in r.getMessage()]
+    if beta2 == 0.95:
+        assert all(r and r.startswith("beta2=0.95: over a random sweep") for r in risks), risks
+        assert len(words) == 1 and words[0].levelno == logging.WARNING
+    else:
+        assert risks == [None] * 3 and words == []

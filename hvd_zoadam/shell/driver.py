@@ -30,7 +30,7 @@ from hvd_zoadam.core.engine import (
     refresh_masks,
     restore_frozen,
 )
-from hvd_zoadam.core.schedule import StepKind, constant_rate_freeze_risk
+from hvd_zoadam.core.schedule import StepKind, constant_rate_freeze_risk, low_beta2_risk
 from hvd_zoadam.shell.options import ADOPT_KEY, STATE_KEY
 from hvd_zoadam.shell.overlap import Overlap
 from hvd_zoadam.shell.stats import CommStats, StepLog
@@ -276,11 +276,14 @@ class StepDriver:
         """The step's learning rate into a freeze decided during training
         (``var_freeze_step="auto"``, :class:`~hvd_zoadam.core.schedule.AutoFreeze`); rank 0 logs the
         decision once, and once a warning when the rate still rises long after v could have
-        frozen (the freeze then waits: never worse than Adam's quality, more bytes), and once,
-        at twice the freeze, :func:`~hvd_zoadam.core.schedule.constant_rate_freeze_risk`'s."""
+        frozen (the freeze then waits: never worse than Adam's quality, more bytes), once, at twice
+        the freeze, :func:`~hvd_zoadam.core.schedule.constant_rate_freeze_risk`'s, and once, after
+        the first step, :func:`~hvd_zoadam.core.schedule.low_beta2_risk`'s."""
         auto = self.algorithm.auto_freeze
         if auto is None:
             return
+        if counters["step"] == 1 and self.transport.rank == 0 and low_beta2_risk(auto):
+            _log.warning("hvd_zoadam: %s", low_beta2_risk(auto))
         if counters.get("var_freeze_step") is not None:
             if self.transport.rank == 0 and counters["step"] == 2 * counters["var_freeze_step"]:
                 risk = constant_rate_freeze_risk(auto, counters["step"], counters["var_freeze_step"],

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hvd_zoadam.core.schedule import NEVER, StepKind, constant_rate_freeze_risk
+from hvd_zoadam.core.schedule import NEVER, StepKind, constant_rate_freeze_risk, low_beta2_risk
 
 if TYPE_CHECKING:
     from hvd_zoadam.comm.transport import CommCounter
@@ -113,8 +113,8 @@ class ReportsMixin:
         ``var_freeze_step="auto"`` has not decided it), var_interval, var_counter,
         exp_avg_sq_steps, local_step_interval, local_step_counter, freeze_lr, and ``risk``: None, or
         a sentence when the run is in a regime where the defaults were found to trail Adam, with
-        what to set (:func:`~hvd_zoadam.core.schedule.constant_rate_freeze_risk`; rank 0 also logs
-        it once)."""
+        what to set (:func:`~hvd_zoadam.core.schedule.constant_rate_freeze_risk`, then
+        :func:`~hvd_zoadam.core.schedule.low_beta2_risk`; rank 0 also logs each once)."""
         c = self._counters
         schedule = self.schedule
         out = schedule.describe(c["step"], lr=float(self.param_groups[0]["lr"]), freeze_lr=c["freeze_lr"])
@@ -123,5 +123,6 @@ class ReportsMixin:
                    lr_sum=[g["lr_sum"] for g in self.param_groups],
                    risk=constant_rate_freeze_risk(getattr(self.algorithm, "auto_freeze", None), c["step"],
                                                   out["var_freeze_step"],
-                                                  float(self.param_groups[0]["lr"]), c["freeze_lr"]))
+                                                  float(self.param_groups[0]["lr"]), c["freeze_lr"])
+                   or low_beta2_risk(getattr(self.algorithm, "auto_freeze", None)))
         return out
