@@ -130,6 +130,9 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", choices=["off", "model", "blocks"], default="off",
                     help="torch.compile the model as a whole (its backward is one graph: every gradient is ready "
                     "at its end, so no exchange overlaps it) or block by block (gradients ready block by block)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile's backend (aot_eager: Dynamo and AOTAutograd without inductor's kernels, "
+                    "which keeps eager's bits)")
     ap.add_argument("--stop-at", type=int, default=0, help="end after this many iterations, saving to --ckpt "
                     "if given (0: run all --steps)")
     args = ap.parse_args(argv)
@@ -163,10 +166,10 @@ def main(argv=None) -> None:
         no_sync = opt.no_sync
 
     if args.compile == "model":
-        train_model = torch.compile(train_model)
+        train_model = torch.compile(train_model, backend=args.compile_backend)
     elif args.compile == "blocks":  # each block's forward (Module.compile() would skip torch.nn's own classes)
         for layer in model.blocks.layers:
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, backend=args.compile_backend)
 
     first = 0
     if args.resume:  # rank 0's file, on every rank

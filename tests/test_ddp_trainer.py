@@ -89,3 +89,19 @@ def test_the_ddp_trainer_names_the_option_at_fault(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_torchrun.py"), *argv], cwd=tmp_path,
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr)
+
+
+@pytest.mark.timeout(600)
+def test_a_model_compiled_block_by_block_trains_under_torchrun_as_eager():
+    """--compile blocks (each block's forward through torch.compile, as large-model trainers
+    compile, so that gradients are ready block by block and the exchange overlaps the backward)
+    under torchrun with 0/1 Adam: with the aot_eager backend (Dynamo and AOTAutograd, without
+    inductor's kernels, which round otherwise) the model ends with eager's bits."""
+    args = ["examples/train_torchrun.py", "--optimizer", "zoadam", "--steps", "12", "--warmup", "2", "--width", "32",
+            "--length", "32"]
+    runs = {}
+    for compile_args in ([], ["--compile", "blocks", "--compile-backend", "aot_eager"]):
+        job = run_job("torchrun", 2, [*args, *compile_args], timeout_s=280)
+        runs[bool(compile_args)] = json.loads([line for line in job.stdout.splitlines() if line.startswith("{")][-1])
+    assert runs[True]["model_sha256"] == runs[False]["model_sha256"], runs
+    assert runs[True]["final_val_loss_hex"] == runs[False]["final_val_loss_hex"]
