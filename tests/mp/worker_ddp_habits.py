@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 hvd, FRONT_END, _ = common.front_end()
-NOOP_AT = (4, 5, 12)  # VARIANCE, COMPRESSED, SYNC under common.TRAIN: overlap armed at each
+NOOP_AT = (4, 5, 12, 16)  # VARIANCE, COMPRESSED, SYNC (overlap armed at each), LOCAL under common.TRAIN
 
 
 def snapshot(net, opt) -> list:
