@@ -165,9 +165,14 @@ def test_the_markdown_table_has_a_row_per_finished_setup_with_its_numbers():
         "1": {"setup": {**setup, "weight_decay_style": "decoupled"}, "adam_mean": 2.0, "adam_spread": 0.0,
               "zoadam_mean": 1.9, "zoadam_spread": 0.0, "gap": -0.05, "bytes_vs_adam": 0.2,
               "frozen_at": [None, None], "passed": False},
-        "2": {"setup": setup}}}  # not finished: no row
+        "3": {"setup": setup, "passed": False, "diverged": True},
+        "2": {"setup": setup}},  # not finished: no row
+        "settings": {"seeds": 2},
+        "runs": {"3/0/adam": {"val_loss": 1.0}, "3/1/adam": {"val_loss": 3.0},
+                 "3/0/zoadam": {"val_loss": math.nan}, "3/1/zoadam": {"val_loss": 2.0}}}
     lines = sweep.table(report).splitlines()
-    assert len(lines) == 4 and lines[0].startswith("| # | model |")
+    assert len(lines) == 5 and lines[0].startswith("| # | model |")
+    assert lines[4].endswith("| 6 | 2.0000 ± 100.0 % | diverged (1 of 2 seeds) | | | | **no** |"), lines[4]
     assert lines[2] == ("| 0 | mlp | 431 (59) | constant | 0.00325 | 0.98 | 0.008 L2 | 6 | 1.3043 ± 1.4 % | "
                         "1.3116 ± 1.6 % | +0.56 % | 0.131 | 240 | yes |")
     assert lines[3].endswith("| 0.008 AdamW | 6 | 2.0000 ± 0.0 % | 1.9000 ± 0.0 % | −5.00 % | 0.200 | — | **no** |"), \

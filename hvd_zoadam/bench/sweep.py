@@ -336,6 +336,17 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _loss_cell(report: dict, index: int, variant: str) -> str:
+    """A diverged set-up's cell for ``variant``: its mean ± spread where every seed ended finite,
+    else how many seeds diverged."""
+    seeds = report["settings"]["seeds"]
+    losses = [report["runs"][_key(index, s, variant)]["val_loss"] for s in range(seeds)]
+    bad = sum(not math.isfinite(x) for x in losses)
+    if bad:
+        return f"diverged ({bad} of {seeds} seeds)"
+    return f"{statistics.fmean(losses):.4f} ± {100 * _spread(losses):.1f} %"
+
+
 def table(report: dict) -> str:
     """The finished set-ups of ``report`` as a Markdown table, one row each in set-up order: the
     set-up (steps with the warm-up, schedule, peak lr, β2, weight decay and its style, batch per
@@ -348,9 +359,10 @@ def table(report: dict) -> str:
         u = out["setup"]
         style = "AdamW" if u["weight_decay_style"] == "decoupled" else "L2"
         if out.get("diverged"):
+            cells = [_loss_cell(report, i, v) for v in VARIANTS]
             lines.append(f"| {i} | {u['workload']} | {u['steps']} ({u['warmup']}) | {u['lr_schedule']} | "
-                         f"{u['lr']} | {u['beta2']} | {u['weight_decay']} {style} | {u['batch_size']} | diverged "
-                         "| | | | | **no** |")
+                         f"{u['lr']} | {u['beta2']} | {u['weight_decay']} {style} | {u['batch_size']} | {cells[0]} | "
+                         f"{cells[1]} | | | | **no** |")
             continue
         frozen = out["frozen_at"][0]
         lines.append(
