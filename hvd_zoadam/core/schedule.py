@@ -220,7 +220,7 @@ class AutoFreeze:
     nor than a quarter of v's horizon 1/(1 − β2) (250 steps at β2 = 0.999, 13 at 0.98). So twice
     the warm-up, or E with a decaying rate; a rate that has not fallen since its warm-up (a
     constant rate, or a step schedule before its first drop) waits for its first fall or 2E (240
-    at κ = 8 and β2 <= 0.99), because v frozen at E and used at the full rate for the rest of
+    at κ = 8 and β2 <= 0.995, 500 at 0.999), because v frozen at E and used at the full rate for the rest of
     the run cost 0/1 Adam 1.3–1.9 % against Adam over a random sweep (docs/performance.md, "The
     defaults over a random sweep"). Once decided, T_f never changes. A rate that stays flat for
     2E steps and only then rises (a warm-up stepped per epoch of more than 2E steps) freezes at
