@@ -358,19 +358,17 @@ def table(report: dict) -> str:
     for i, out in sorted(((int(i), s) for i, s in report["setups"].items() if "passed" in s)):
         u = out["setup"]
         style = "AdamW" if u["weight_decay_style"] == "decoupled" else "L2"
+        head = (f"| {i} | {u['workload']} | {u['steps']} ({u['warmup']}) | {u['lr_schedule']} | {u['lr']} | "
+                f"{u['beta2']} | {u['weight_decay']} {style} | {u['batch_size']} | ")
         if out.get("diverged"):
-            cells = [_loss_cell(report, i, v) for v in VARIANTS]
-            lines.append(f"| {i} | {u['workload']} | {u['steps']} ({u['warmup']}) | {u['lr_schedule']} | "
-                         f"{u['lr']} | {u['beta2']} | {u['weight_decay']} {style} | {u['batch_size']} | {cells[0]} | "
-                         f"{cells[1]} | | | | **no** |")
+            adam, zoadam = (_loss_cell(report, i, v) for v in VARIANTS)
+            lines.append(f"{head}{adam} | {zoadam} | | | | **no** |")
             continue
         frozen = out["frozen_at"][0]
         lines.append(
-            f"| {i} | {u['workload']} | {u['steps']} ({u['warmup']}) | {u['lr_schedule']} | {u['lr']} | {u['beta2']} "
-            f"| {u['weight_decay']} {style} | {u['batch_size']} | {out['adam_mean']:.4f} ± "
-            f"{100 * out['adam_spread']:.1f} % | {out['zoadam_mean']:.4f} ± {100 * out['zoadam_spread']:.1f} % | "
-            f"{100 * out['gap']:+.2f} % | {out['bytes_vs_adam']:.3f} | {'—' if frozen is None else frozen - 1} | "
-            f"{'yes' if out['passed'] else '**no**'} |")
+            f"{head}{out['adam_mean']:.4f} ± {100 * out['adam_spread']:.1f} % | {out['zoadam_mean']:.4f} ± "
+            f"{100 * out['zoadam_spread']:.1f} % | {100 * out['gap']:+.2f} % | {out['bytes_vs_adam']:.3f} | "
+            f"{'—' if frozen is None else frozen - 1} | {'yes' if out['passed'] else '**no**'} |")
     return "\n".join(lines).replace("| -", "| −") + "\n"
 
 

@@ -85,7 +85,7 @@ class StepAgreement:
         return no_gradient and not armed
 
     def _warn_no_gradient_at_local(self) -> None:
-        if getattr(self, "_warned_no_gradient", False):
+        if self._warned_no_gradient:
             return
         self._warned_no_gradient = True
         warnings.warn(f"hvd_zoadam: rank {self.transport.rank} called step() with no gradient at a LOCAL step (no "

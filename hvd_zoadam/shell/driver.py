@@ -282,8 +282,9 @@ class StepDriver:
         auto = self.algorithm.auto_freeze
         if auto is None:
             return
-        if counters["step"] == 1 and self.transport.rank == 0 and low_beta2_risk(auto):
-            _log.warning("hvd_zoadam: %s", low_beta2_risk(auto))
+        risk = low_beta2_risk(auto) if counters["step"] == 1 and self.transport.rank == 0 else None
+        if risk:
+            _log.warning("hvd_zoadam: %s", risk)
         if counters.get("var_freeze_step") is not None:
             if self.transport.rank == 0 and counters["step"] == 2 * counters["var_freeze_step"]:
                 risk = constant_rate_freeze_risk(auto, counters["step"], counters["var_freeze_step"],

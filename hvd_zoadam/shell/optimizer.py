@@ -167,6 +167,7 @@ class DistributedAdamOptimizer(HorovodContract, StepDriver, StepAgreement, Param
         self._amp_seen = False
         self._modified_after_backward = False
         self._warned_changed = False
+        self._warned_no_gradient = False  # a step without a gradient at a LOCAL step, once
         self._warned_unsynchronized = False
         self._sync_started = {}       # SYNC: id(bucket) -> round 1 the hooks started, for step()
         self._stats = CommStats()
