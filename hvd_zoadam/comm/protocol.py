@@ -743,7 +743,8 @@ NO_GRADIENT = 2    # step_flags: this rank reached step() with no gradient at al
 def step_flags(transport: Transport, names: CollectiveNames, step: int, flags: int) -> list[int]:
     """Every rank's ``flags`` for step ``step`` (:data:`GRADS_CHANGED`, :data:`NO_GRADIENT`), in
     rank order: one allgather of a 4-byte flag per rank, on every VARIANCE, COMPRESSED and SYNC
-    step where overlap is armed (a rank-independent condition), so that all ranks agree. An
+    step after the first at P > 1 (after the early exchange where overlap is armed, before the
+    exchange where not: a rank-independent condition), so that all ranks agree. An
     allgather, not an average: it travels over the rounds' transport (:meth:`Transport.allgather_flag`;
     under MPI on a communicator of its own) instead of waking Horovod's background thread, which
     on a machine whose cores training fills costs more than the flag (docs/performance.md,

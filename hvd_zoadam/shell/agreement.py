@@ -1,8 +1,8 @@
 """What the ranks agree on about a step, besides its exchange: the settings and layout check of
 the first step (and that every rank starts from the same parameters and ran ``backward()``), the
-4-byte flag of a step whose exchange the backward hooks started ("gradients changed?", "no
-gradient here?"), and what the 1-bit exchanges announce in round 1, with the message that names
-the odd ranks when they disagree.
+4-byte flag of every later exchange step ("no gradient here?"; where the backward hooks started
+the exchange, also "gradients changed since?"), and what the 1-bit exchanges announce in round
+1, with the message that names the odd ranks when they disagree.
 
 :class:`StepAgreement` is a mixin of :class:`~hvd_zoadam.shell.optimizer.DistributedAdamOptimizer`
 beside :class:`~hvd_zoadam.shell.driver.StepDriver`, which calls it.
@@ -61,9 +61,9 @@ class StepAgreement:
         trainable = [p for b in self._buckets for p in b.params if p.requires_grad]
         return bool(trainable) and all(p.grad is None for p in trainable)
 
-    def _no_gradient_anywhere(self, no_gradient: bool, armed: bool, exchanges: bool) -> bool:
+    def _no_gradient_anywhere(self, step: int, no_gradient: bool, armed: bool, exchanges: bool) -> bool:
         """Whether no rank has a gradient (``no_gradient``: this rank's :meth:`_no_gradient_here`),
-        so that the step changes nothing on any rank, as ``torch.optim.Adam.step()`` without
+        so that step ``step`` changes nothing on any rank, as ``torch.optim.Adam.step()`` without
         gradients (Horovod's habit of a step before training, with no ``backward()``). Known
         here at P = 1 and at the first step, whose settings check compares it (some rank
         without a gradient: ValueError on every rank); where overlap is armed the step's flag
@@ -71,18 +71,38 @@ class StepAgreement:
         LOCAL step) changes nothing on a rank without a gradient, as torch's, whatever the
         others do: no rank waits for it, and the ranks' counters stay what their own steps
         made them (a rank that skipped backward() alone is one step behind; such a rank warns
-        once with what follows). At any other step of P > 1 ranks (overlap off, a GradScaler)
-        nothing is sent before the exchange that could carry it: a rank without a gradient
-        raises alone (:meth:`_refuse_without_backward`)."""
+        once with what follows). At any other step of P > 1 ranks (overlap off, a GradScaler,
+        after clipping was seen) the ranks compare the flag before the exchange
+        (:meth:`_agree_on_gradient`), as an armed step does after its early exchange."""
         if not self._checked_layout:
             self._check_layout(no_gradient)
             return no_gradient
-        if no_gradient and not armed and self.world_size > 1:
-            if not exchanges:
+        if armed or self.world_size == 1:
+            return no_gradient and not armed
+        if not exchanges:
+            if no_gradient:
                 self._warn_no_gradient_at_local()
-                return True
-            self._refuse_without_backward()
-        return no_gradient and not armed
+            return no_gradient
+        return self._agree_on_gradient(step, no_gradient)
+
+    def _agree_on_gradient(self, step: int, no_gradient: bool) -> bool:
+        """Every rank's :data:`NO_GRADIENT` flag for an exchange step that starts no exchange in
+        backward(), in one allgather of 4 bytes a rank (:func:`~hvd_zoadam.comm.protocol.step_flags`,
+        what an armed step sends after its early exchange), before any of the step's rounds.
+        True where no rank has a gradient (the step changes nothing); some rank without one:
+        RuntimeError on every rank naming it, nothing exchanged; else False."""
+        flags = step_flags(self.transport, self._collectives, step, NO_GRADIENT if no_gradient else 0)
+        missing = [rank for rank, flag in enumerate(flags) if flag & NO_GRADIENT]
+        if missing and len(missing) < len(flags):
+            self._raise_without_backward(missing)
+        return bool(missing)
+
+    def _raise_without_backward(self, missing: list) -> None:
+        """RuntimeError on every rank, naming the ranks in ``missing`` that reached the step with no
+        gradient while others had one; the step's passes are reset, so it may be taken again."""
+        self._reset_passes()
+        raise RuntimeError("hvd_zoadam: " + _no_backward_message(
+            f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
 
     def _warn_no_gradient_at_local(self) -> None:
         if self._warned_no_gradient:
@@ -93,15 +113,6 @@ class StepAgreement:
                       "optimizers do. Where every rank did so (a no-op step), nothing follows; if other ranks had "
                       "gradients, this rank's optimizer is now one step behind theirs, and the runs of its "
                       "collectives pair with their next ones. Every rank must run backward() before each step().")
-
-    def _refuse_without_backward(self) -> None:
-        """RuntimeError on this rank alone, for a step without ``backward()`` that carries no flag
-        (overlap off, or a GradScaler): no collective of the step has started here."""
-        self._reset_passes()
-        raise RuntimeError("hvd_zoadam: " + _no_backward_message(f"rank {self.transport.rank}") + (
-            " A step without a gradient on every rank changes nothing where the ranks can compare it (the first "
-            "step, and steps whose exchange starts during backward()); this step sends nothing before its "
-            "exchange, so this rank cannot know whether the others have a gradient."))
 
     def _agree_on_step(self, step: int, no_gradient: bool) -> bool:
         """The ranks' flags for a step where overlap is armed, in one allgather of 4 bytes a rank
@@ -127,9 +138,7 @@ class StepAgreement:
         if len(missing) == len(flags):
             return True
         if missing:
-            self._reset_passes()
-            raise RuntimeError("hvd_zoadam: " + _no_backward_message(
-                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
+            self._raise_without_backward(missing)
         # The script modifies its gradients between backward() and step() (clipping as DDP scripts do):
         # every rank saw the flag, so every rank stops starting exchanges in backward() alike.
         self._modified_after_backward = self._warned_changed = True

@@ -169,9 +169,9 @@ class StepDriver:
         check_params_unchanged(self._engine)
         no_gradient = self._no_gradient_here()
         self._adopt_loaded_adam()
-        nothing_to_step = self._no_gradient_anywhere(no_gradient, armed, kind is not StepKind.LOCAL)
         # the schedule moved under us (a load between backward and step)
         self._drain(self._overlap.stale(step, kind, len(self._buckets), self._launch))
+        nothing_to_step = self._no_gradient_anywhere(step, no_gradient, armed, kind is not StepKind.LOCAL)
         if armed:
             self.transport.counter.kind = kind.value
             self._overlap.complete(step, kind, len(self._buckets), self._launch)

@@ -1,11 +1,11 @@
 """Multi-process worker: Horovod's habits under horovodrun. ``hvd.broadcast_optimizer_state``,
-then a step() with no gradient on any rank (and more such steps later); the same training without
-them as the reference.
+then a step() with no gradient on any rank (and more such steps later), with overlap on (the
+exchange starts in backward()) and off; the same training without them as the reference.
 
 Usage: ``worker_ddp_habits.py OUT_DIR``. Rank r writes ``OUT_DIR/rank{r}.pt``: each p.grad after
 the broadcast (None, or its sum), whether each no-gradient step left parameters, state and
-counters as they were, the kinds of the steps taken and digests of the parameters of both runs
-from every rank; ``errors`` holds a scenario's traceback.
+counters as they were (overlap on, then off), the kinds of the steps taken and digests of the
+parameters of the three runs from every rank; ``errors`` holds a scenario's traceback.
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def same(a, b) -> bool:
             and all(all(torch.equal(s[k], t[k]) for k in s) for s, t in zip(a[1], b[1])))
 
 
-def train(out, noops: bool):
+def train(out, noops: bool, overlap: bool = True):
     net = common.mlp(seed=1234 + hvd.rank())  # ranks differ until broadcast
     opt = FRONT_END(torch.optim.AdamW(net.parameters(), lr=common.LR), named_parameters=net.named_parameters(),
-                    **common.TRAIN)
+                    overlap=overlap, **common.TRAIN)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     unchanged, kinds = [], []
@@ -56,7 +56,8 @@ def train(out, noops: bool):
         opt.step()
         kinds.append(opt.schedule.kind(t).value)
     if noops:
-        out["unchanged"], out["kinds"] = unchanged, kinds
+        out["unchanged"] = out.get("unchanged", []) + unchanged
+        out["kinds"] = kinds
     return common.digests_by_rank(hvd, list(net.parameters()))
 
 
@@ -67,6 +68,7 @@ def main():
     try:
         out["reference_digests"] = train(out, noops=False)
         out["digests"] = train(out, noops=True)
+        out["digests_overlap_off"] = train(out, noops=True, overlap=False)
     except Exception:  # noqa: BLE001 - reported to the test, which fails naming it
         out["errors"]["train"] = traceback.format_exc()
     torch.save(out, os.path.join(out_dir, f"rank{hvd.rank()}.pt"))
