@@ -281,14 +281,18 @@ def test_torch_compile_of_the_model_or_the_step_trains_as_eager(what):
 # -- a real job ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(600)
-def test_job_horovods_habits_broadcast_then_a_step_without_gradient(tmp_path):
-    """Under horovodrun: hvd.broadcast_optimizer_state leaves every p.grad None (hvd_zoadam's
-    state exists from construction, so Horovod's function runs no dummy zero-gradient step, as
-    for an optimizer that has stepped); a step() right after it, and more at later steps (a
-    LOCAL step among them), with no gradient on any rank, change nothing, with overlap on and off:
-    the run is the run without them, bit for bit."""
-    run_job("gloo", 2, ["tests/mp/worker_ddp_habits.py", str(tmp_path)], timeout_s=420,
-            env={"HVD_ZOADAM_TIMEOUT_S": "30"})
+@pytest.mark.parametrize("launcher", ["gloo", "torchrun"], ids=["horovodrun", "torchrun"])
+def test_job_horovods_habits_broadcast_then_a_step_without_gradient(tmp_path, launcher):
+    """Under horovodrun (and torchrun, with hvd_zoadam.distributed's broadcasts):
+    broadcast_optimizer_state leaves every p.grad None (hvd_zoadam's state exists from
+    construction, so Horovod's function runs no dummy zero-gradient step, as for an optimizer
+    that has stepped); a step() right after it, and more at later steps (a LOCAL step among
+    them), with no gradient on any rank, change nothing, with overlap on and off: the run is
+    the run without them, bit for bit."""
+    env = {"HVD_ZOADAM_TIMEOUT_S": "30"}
+    if launcher == "torchrun":
+        env["HVD_ZOADAM_TEST_FRONT_END"] = "torch.distributed"
+    run_job(launcher, 2, ["tests/mp/worker_ddp_habits.py", str(tmp_path)], timeout_s=420, env=env)
     ranks = load_ranks(tmp_path, 2)
     for r in ranks:
         assert not r["errors"], r["errors"]
