@@ -3,12 +3,14 @@
 The counted model is ``bench step``'s GPT layout (102 tensors in 24 buckets), scaled down; the
 counts do not depend on the tensors' sizes. Budgets per step, B buckets: a VARIANCE step makes
 at most two numba launches (the check of the average, then the update: over the budget of one)
-and three collectives per bucket, at most one host synchronisation and moves at most
+and three collectives per bucket, at most one host synchronisation (the 4-byte flag that every
+exchange step after the first compares before its exchange: "no gradient here?") and moves at most
 AdamW(foreach)'s 80 bytes per parameter; a LOCAL step one numba launch per
 bucket (its finiteness check inside), at most 2·B + 10 torch ops, no collective, no host
 synchronisation and no allocation, within the same 80 bytes; a COMPRESSED or SYNC step reads
 every bucket's skip flags in one host synchronisation (a COMPRESSED step after a VARIANCE step
-a second, for the buckets' masks of v = 0, derived again once v changed), makes at most three
+a second, for the buckets' masks of v = 0, derived again once v changed) besides the step's
+flag, makes at most three
 collectives per bucket and moves at most 100 (COMPRESSED) or 120 (SYNC) bytes per parameter; a
 SYNC step at most four numba launches per bucket, a COMPRESSED step five (its torch ops and
 allocations, in the exchange's framing, are over budget: docs/performance.md). The CUDA path
@@ -61,9 +63,11 @@ def test_a_local_step_is_one_kernel_call_per_bucket_on_the_flat_storage(counted)
 @pytest.mark.parametrize("kind", ["compressed", "sync"])
 def test_a_compressed_or_sync_step_reads_every_buckets_flags_at_once(counted, kind):
     """The servers decide their flags on the device (steps announced alike, scales finite): the
-    host reads every bucket's gathered flags at once, not each bucket's steps and scales apart."""
+    host reads every bucket's gathered flags at once, not each bucket's steps and scales apart.
+    One more read is the step's 4-byte "no gradient here?" flag, compared before the exchange
+    (every exchange step after the first; agreement.py)."""
     b, v = counted["buckets"], counted["kinds"][kind]
-    assert v["host_syncs"] <= (2 if kind == "compressed" else 1), v   # counted after a VARIANCE step
+    assert v["host_syncs"] <= (3 if kind == "compressed" else 2), v   # counted after a VARIANCE step
     assert v["collectives"] <= 3 * b, v
 
 
@@ -82,19 +86,20 @@ def test_a_compressed_or_sync_step_calls_the_kernels_a_few_times_per_bucket(coun
 def test_a_compressed_or_sync_step_reads_its_messages_into_buffers_it_keeps(counted, kind):
     """What rounds 1 and 2 bring is copied into the exchange's own buffers and the skip flag
     decided in them: what allocates is the thread transport (a copy of each message sent and
-    the gathered result of each round, 4 per bucket), the stack of the heads' one read, and
-    after a VARIANCE step the masks of v = 0 derived again (2 per bucket and a stack)."""
+    the gathered result of each round, 4 per bucket), the stack of the heads' one read, the
+    step's 4-byte flag and its gathered copy (2), and after a VARIANCE step the masks of v = 0
+    derived again (2 per bucket and a stack)."""
     b, v = counted["buckets"], counted["kinds"][kind]
-    assert v["allocations"] <= (6 if kind == "compressed" else 4) * b + 2, v
+    assert v["allocations"] <= (6 if kind == "compressed" else 4) * b + 4, v
 
 
 def test_a_variance_step_averages_in_place_in_the_flat_gradient_storage(counted):
     """Every p.grad is a view of its bucket's flat gradient storage, averaged there: no gather of
     the gradients, no write-back per tensor (was 686 ops and 96 allocations), and the update one
     kernel call writing the kept denominator (was 410 ops: torch's nine a bucket). What
-    allocates is the thread transport."""
+    allocates is the thread transport, and the step's 4-byte flag and its gathered copy."""
     b, v = counted["buckets"], counted["kinds"]["variance"]
-    assert v["torch_ops"] <= 9 * b and v["allocations"] <= 3 * b, v
+    assert v["torch_ops"] <= 9 * b and v["allocations"] <= 3 * b + 2, v
 
 
 @pytest.mark.parametrize("kind, per_bucket", [("compressed", 48), ("sync", 36)])
