@@ -163,14 +163,12 @@ def test_overlap_with_backward_gives_the_same_parameters(job):
         else:  # Horovod may fuse the early allreduces differently: the sum order of 3+ ranks moves the last bits
             for a, b in zip(on["params"], off["params"]):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        for kind, unarmed in (("compressed", 0), ("sync", 1)):
+        for kind in ("compressed", "sync"):
             on_k, off_k = on["stats"][kind], off["stats"][kind]
-            # the same exchanges, plus one 4-byte "gradients changed?" flag per COMPRESSED step and per
-            # SYNC step but the first after the freeze (P > 1: a single process starts nothing early)
-            flags = on_k["steps"] - unarmed if p > 1 else 0
+            # the same exchanges and the same 4-byte flag a step at P > 1 ("gradients changed?" and
+            # "no gradient here?" after an early start, "no gradient here?" before the exchange)
             assert on_k["steps"] == off_k["steps"] > 1
-            assert on_k["rounds"] == off_k["rounds"] + flags
-            assert on_k["bytes_sent"] == pytest.approx(off_k["bytes_sent"] + flags * (p - 1) * 4, abs=1)
+            assert on_k["rounds"] == off_k["rounds"] and on_k["bytes_sent"] == off_k["bytes_sent"]
 
 
 def test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep(job):
@@ -183,9 +181,8 @@ def test_a_parameter_without_a_gradient_on_one_rank_overlaps_in_lockstep(job):
     for r in ranks:
         on, off = r["missing_grad"][True], r["missing_grad"][False]
         assert on["buckets"] >= 3
-        if p > 1:  # overlap was armed: one flag per COMPRESSED step
-            assert on["stats"]["compressed"]["rounds"] == off["stats"]["compressed"]["rounds"] \
-                + on["stats"]["compressed"]["steps"] > off["stats"]["compressed"]["rounds"]
+        # one flag per COMPRESSED step at P > 1, armed or not
+        assert on["stats"]["compressed"]["rounds"] == off["stats"]["compressed"]["rounds"]
         if p <= 2:
             assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
         else:  # as in the overlap test: Horovod may fuse the early allreduces differently

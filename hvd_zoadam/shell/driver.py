@@ -171,6 +171,7 @@ class StepDriver:
         self._adopt_loaded_adam()
         # the schedule moved under us (a load between backward and step)
         self._drain(self._overlap.stale(step, kind, len(self._buckets), self._launch))
+        self.transport.counter.kind = kind.value  # the step's flag counts with its kind
         nothing_to_step = self._no_gradient_anywhere(step, no_gradient, armed, kind is not StepKind.LOCAL)
         if armed:
             self.transport.counter.kind = kind.value
