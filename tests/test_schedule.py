@@ -51,19 +51,6 @@ def test_variance_state_counts_k_and_interval():
         Schedule(10, 2, 1, 1, var_update_weighting="time")
 
 
-def test_capped_weighting_caps_an_update_at_beta2s_half_life():
-    """Under "capped" an update of v weighs as the steps it stands for, at most ⌊ln ½ / ln β2⌋
-    (13 at 0.95, 34 at 0.98, 692 at 0.999); K still counts the whole intervals, as "interval"."""
-    capped, interval = Schedule(10 ** 6, 8, var_update_weighting="capped"), Schedule(10 ** 6, 8)
-    assert [capped.variance_weight_steps(i, 0.95) for i in (1, 8, 13, 14, 16, 32)] == [1, 8, 13, 13, 13, 13]
-    assert [capped.variance_weight_steps(i, b) for i, b in ((64, 0.98), (64, 0.99), (1024, 0.999))] == [34, 64, 692]
-    assert [interval.variance_weight_steps(i, 0.95) for i in (1, 16, 32)] == [1, 16, 32]
-    assert Schedule(10 ** 6, 8, var_update_weighting="paper").variance_weight_steps(1, 0.95) == 1
-    for t in (120, 136, 504):
-        assert capped.variance_state(t) == interval.variance_state(t)
-        assert capped.variance_update_steps(t + 32, t) == 32
-
-
 def test_no_variance_step_after_the_freeze_and_sync_rule_steps_policy():
     # T_f=4, kappa=2 -> v v c v | H=1 for d=1..3, H=2 for d=4..6, H=4 for d=7..9, then H=8.
     s = Schedule(var_freeze_step=4, var_update_scaler=2, local_step_scaler=3, local_step_clipper=8,

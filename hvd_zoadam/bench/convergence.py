@@ -83,7 +83,6 @@ VARIANTS = {
     "sync-momentum-average": ({"sync_momentum_average": 0.5}, {}),
     "sync-momentum-average-0.75": ({"sync_momentum_average": 0.75}, {}),
     "paper-v": ({}, {"var_update_weighting": "paper"}),
-    "capped-v": ({}, {"var_update_weighting": "capped"}),
     "two-level-paper-v": ({"ranks_per_node": "L"}, {"var_update_weighting": "paper"}),
     "exact-both-no-local-steps-paper-v": ({"exact": ("compressed", "sync")},
                                           {"local_step_clipper": 1, "var_update_weighting": "paper"}),
@@ -458,7 +457,7 @@ def _add_knobs(parser) -> None:
     parser.add_argument("--local-step-scaler", type=int, default=40)
     parser.add_argument("--local-step-clipper", type=int, default=8)
     parser.add_argument("--local-step-policy", default="lr")
-    parser.add_argument("--var-update-weighting", choices=["interval", "paper", "capped"], default="interval",
+    parser.add_argument("--var-update-weighting", choices=["interval", "paper"], default="interval",
                         help="how much an update of v weighs (the optimizer's var_update_weighting)")
     parser.add_argument("--scale-block-numel", type=int, default=256)
     parser.add_argument("--library-defaults", action="store_true",

@@ -17,7 +17,7 @@ import numbers
 from dataclasses import dataclass, replace
 
 LOCAL_STEP_POLICIES = ("steps", "lr", "constant")
-VAR_UPDATE_WEIGHTINGS = ("interval", "paper", "capped")
+VAR_UPDATE_WEIGHTINGS = ("interval", "paper")
 NEVER = 2 ** 62  # a var_freeze_step no run reaches: v not frozen (yet)
 
 # The schedule's defaults, in one place: :class:`Schedule`'s fields and every front end's
@@ -71,8 +71,7 @@ class Schedule:
             "Weighting the variance updates"): ``"interval"`` (the default) as the
             I = t − t' steps since the previous t' in T_v, v <- β2^I·v + (1 − β2^I)·ḡ², so
             that v weighs time as Adam's does however thin T_v gets; ``"paper"`` as one
-            step, v <- β2·v + (1 − β2)·ḡ² (the paper's Algorithm 1 and DeepSpeed's);
-            ``"capped"`` as ``"interval"`` up to β2's half-life (:meth:`variance_weight_steps`).
+            step, v <- β2·v + (1 − β2)·ḡ² (the paper's Algorithm 1 and DeepSpeed's).
 
     Raises:
         TypeError, ValueError: for a knob that is not a positive int, or an unknown policy.
@@ -107,8 +106,8 @@ class Schedule:
         Returns a dict with ``is_variance`` (step in T_v), ``var_interval`` (I in force
         for the next step), ``var_counter`` (variance steps since I last doubled) and
         ``exp_avg_sq_steps`` (K, the exponent of β2 in v's bias correction: the variance
-        steps <= step under ``"paper"`` weighting, the last of them under ``"interval"`` and
-        ``"capped"``, whose intervals tile 1 … that step).
+        steps <= step under ``"paper"`` weighting, the last of them under ``"interval"``,
+        whose intervals tile 1 … that step).
         """
         kappa, limit = self.var_update_scaler, min(step, self.var_freeze_step)
         interval, counter, k, last = 1, 0, 0, 0
@@ -126,7 +125,7 @@ class Schedule:
             counter = 0
         return {"is_variance": 1 <= step <= self.var_freeze_step and last == step,
                 "var_interval": interval, "var_counter": counter,
-                "exp_avg_sq_steps": k if self.var_update_weighting == "paper" else last,
+                "exp_avg_sq_steps": last if self.var_update_weighting == "interval" else k,
                 "last_variance_step": last}
 
     def variance_update_steps(self, step: int, exp_avg_sq_steps: int) -> int:
@@ -139,18 +138,6 @@ class Schedule:
         if self.var_update_weighting == "paper":
             return 1
         return max(1, step - exp_avg_sq_steps)
-
-    def variance_weight_steps(self, interval: int, beta2: float) -> int:
-        """The exponent of β2 in the weight of an update of v that stands for ``interval`` steps
-        (:meth:`variance_update_steps`): v <- β2^E·v + (1 − β2^E)·ḡ² with E the interval, or
-        under ``"capped"`` weighting at most β2's half-life ⌊ln ½ / ln β2⌋ steps (13 at 0.95,
-        34 at 0.98, 68 at 0.99, 692 at 0.999), so that one ḡ² never outweighs all that v held
-        before it. K (the bias correction's exponent) still grows by the whole interval: where
-        the cap acts, K is already past many half-lives (at κ = 8, past 120 steps at β2 0.95),
-        so 1 − β2^K is 1 to within 0.3 %."""
-        if self.var_update_weighting == "capped":
-            return min(interval, max(1, math.floor(math.log(0.5) / math.log(beta2))))
-        return interval
 
     def variance_steps(self, last_step: int) -> list[int]:
         """All t in T_v with t <= last_step, in order (for tests and plots)."""

@@ -280,16 +280,14 @@ class _Run:
         g = self.flat_grads(t)
         mask = (self.v != 0) if self.auto_mask_on else None
         if kind is StepKind.VARIANCE:
-            interval = sched.variance_update_steps(t, self.k)
-            self.variance(t, lr, bc1, g, interval, sched.variance_weight_steps(interval, self.beta2))
+            self.variance(t, lr, bc1, g, sched.variance_update_steps(t, self.k))
         elif kind is StepKind.COMPRESSED:
             self.compressed(t, lr, bc1, g, mask)
         else:
             self.local_and_sync(t, kind, lr, bc1, g, mask)
 
-    def variance(self, t: int, lr: float, bc1: float, g: torch.Tensor, interval: int, weight_steps: int) -> None:
-        """I = ``interval``: the steps v's update stands for (k grows by I); it weighs as
-        ``weight_steps`` (:meth:`Schedule.variance_weight_steps`)."""
+    def variance(self, t: int, lr: float, bc1: float, g: torch.Tensor, interval: int) -> None:
+        """I = ``interval``: v's update weighs as I steps."""
         x, m, v = self.x, self.m, self.v
         self.k += interval
         avg = row_sum(g) / self.world_size
@@ -298,7 +296,7 @@ class _Run:
         gr = (avg.add(x, alpha=self.weight_decay) if (not self.decoupled and self.weight_decay)
               else avg.expand(self.world_size, self.n))
         m.lerp_(gr, 1 - self.beta1)
-        b2 = self.beta2 ** weight_steps
+        b2 = self.beta2 ** interval
         v.mul_(b2).addcmul_(gr[0], gr[0], value=1 - b2)
         x.addcdiv_(m, self.adam_denom(self.k), value=-lr / bc1)
 

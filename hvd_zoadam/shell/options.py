@@ -149,8 +149,7 @@ KNOB_DOCS = {
     "local_step_policy": "``\"lr\"``: H doubles each time the learning rate halves from its value at the freeze "
                          "(H = 1 at a constant rate); ``\"steps\"``: every α steps; ``\"constant\"``: H = H_max.",
     "var_update_weighting": "``\"interval\"``: an update of v weighs as the steps since the last one, so v "
-                            "weighs time as Adam's does; ``\"paper\"``: as one step (the paper's and DeepSpeed's); "
-                            "``\"capped\"``: as the steps since the last one, at most β2's half-life.",
+                            "weighs time as Adam's does; ``\"paper\"``: as one step (the paper's and DeepSpeed's).",
     "bias_correction": "Adam's bias corrections of m and v, as ``torch.optim.Adam``.",
     "transport": "what moves the bytes (below); ``\"auto\"`` picks for the launcher, and "
                  "``comm_stats()[\"transport\"]`` says which. The results are the same whichever does.",

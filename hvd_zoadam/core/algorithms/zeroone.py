@@ -14,7 +14,6 @@ exchange runs in the shell's ``synchronize()``, and a SYNC step calls ``ctx.exch
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,7 +133,7 @@ class ZeroOneAdam:
             i = schedule.variance_update_steps(ctx.step, ctx.counters["exp_avg_sq_steps"])
             k = ctx.counters["exp_avg_sq_steps"] + (0 if skip else i)
             if not skip:
-                variance_step(ctx, k, i, schedule.variance_weight_steps)
+                variance_step(ctx, k, i)
             return k
         k = ctx.counters["exp_avg_sq_steps"]
         if not skip:
@@ -280,17 +279,13 @@ def _with_gradients(ctx: StepContext, k: int, var_update_steps: int = 1):
         engine.store_x(b, x)
 
 
-def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1, weight_steps=None) -> None:
-    """VARIANCE on every bucket, from the averaged gradients in p.grad; the update of v stands
-    for ``var_update_steps`` steps (:meth:`Schedule.variance_update_steps`) and weighs as
-    ``weight_steps(var_update_steps, β2)`` of its group (:meth:`Schedule.variance_weight_steps`;
-    None: as ``var_update_steps``). One pass (one
+def variance_step(ctx: StepContext, k: int, var_update_steps: int = 1) -> None:
+    """VARIANCE on every bucket, from the averaged gradients in p.grad; the update of v weighs
+    as ``var_update_steps`` steps (:meth:`Schedule.variance_update_steps`). One pass (one
     kernel launch on a GPU) a bucket, which also leaves the new denominators kept for the
     steps up to the next VARIANCE step (:meth:`DerivedFromExpAvgSq.denom_written`)."""
     derived = ctx.engine.derived
     for b, h, g, x in _with_gradients(ctx, k, var_update_steps):
-        if weight_steps is not None:
-            h = dataclasses.replace(h, var_update_steps=weight_steps(var_update_steps, h.beta2))
         # Only the user's mask here: with the exact average, v == 0 after this step means every
         # ḡ so far was exactly 0, so m is already 0 there (the automatic mask is a no-op).
         native.variance_step(g, x, b.exp_avg, b.exp_avg_sq, derived.denom_out(b), mask=b.mask,
