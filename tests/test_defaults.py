@@ -17,7 +17,7 @@ import torch
 import hvd_zoadam
 from conftest import run_threads
 from hvd_zoadam.comm.thread import ThreadGroup
-from hvd_zoadam.core.schedule import NEVER, AutoFreeze, Schedule, StepKind
+from hvd_zoadam.core.schedule import NEVER, AutoFreeze, Schedule, StepKind, var_update_interval_max
 from hvd_zoadam.oracle.simulate import simulate_zoadam
 from hvd_zoadam.shell.options import auto_scale_block_numel, auto_var_update_scaler, resolve_schedule
 
@@ -94,6 +94,53 @@ def test_auto_kappa_and_scale_block_follow_the_world_size():
                                              local_step_scaler=32768, local_step_clipper=8, local_step_policy="lr",
                                              var_update_weighting="interval", scale_block_numel="auto")
     assert (schedule.var_freeze_step, schedule.var_update_scaler, auto, scale) == (NEVER, 14, AutoFreeze(14, 0.999), 64)
+
+
+SCHEDULE_KNOBS = dict(var_freeze_step=400, var_update_scaler=8, local_step_scaler=32768, local_step_clipper=8,
+                      local_step_policy="lr", scale_block_numel="auto")
+
+
+def test_v_is_updated_at_least_once_a_half_life_of_beta2():
+    """Under "interval" weighting T_v's interval stops doubling at the largest power of 2 within
+    β2's half-life: 8 steps at 0.95, where the paper's T_v goes on to 16 and 32 after step 120;
+    at 0.98 T_v is the paper's up to step 504, whatever the freeze; "paper" keeps the paper's."""
+    assert [var_update_interval_max(b) for b in (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)] == [4, 8, 32, 64, 128, 512]
+    capped = resolve_schedule(8, 0.95, var_update_weighting="interval", **SCHEDULE_KNOBS)[0]
+    paper = resolve_schedule(8, 0.95, var_update_weighting="paper", **SCHEDULE_KNOBS)[0]
+    assert capped.var_update_interval_max == 8 and paper.var_update_interval_max == NEVER
+    steps = capped.variance_steps(400)
+    assert steps[:32] == paper.variance_steps(120) and steps[32:35] == [128, 136, 144] and steps[-1] == 400
+    assert all(b - a <= 8 for a, b in zip(steps, steps[1:])) and paper.variance_steps(400)[-1] == 384
+    assert [t for t in range(1, 401) if capped.variance_state(t)["is_variance"]] == steps
+    at_98 = resolve_schedule(8, 0.98, var_update_weighting="interval", **{**SCHEDULE_KNOBS, "var_freeze_step": 504})
+    assert at_98[0].variance_steps(504) == Schedule(504, 8).variance_steps(504)
+    with pytest.raises(ValueError, match="var_update_interval_max must be a power of 2"):
+        Schedule(400, 8, var_update_interval_max=12)
+
+
+def test_the_capped_interval_trains_as_the_oracle_bitwise():
+    """β2 = 0.95, κ = 1, T_f = 40: T_v = 1, 2, 4, 8, 16, 24, 32, 40 (the paper's: 1, 2, 4, 8, 16,
+    32); two thread ranks equal the oracle given the same schedule, bit for bit."""
+    knobs = {**SCHEDULE_KNOBS, "var_freeze_step": 40, "var_update_scaler": 1, "var_update_weighting": "interval"}
+
+    def body(rank, transport):
+        model = common.mlp()
+        opt = hvd_zoadam.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=common.LR, betas=(0.9, 0.95)),
+                                              named_parameters=model.named_parameters(), transport=transport, **knobs)
+        for t in range(1, 49):
+            opt.zero_grad()
+            common.loss_fn(model, t, rank).backward()
+            opt.step()
+        return [q.detach().clone() for q in model.parameters()]
+    got = run_threads(2, body)
+    schedule, _, scale = resolve_schedule(2, 0.95, **knobs)
+    params0 = [q.detach().clone() for q in common.mlp().parameters()]
+    want, kinds = simulate_zoadam(params0, common.grads_at, world_size=2, steps=48, schedule=schedule,
+                                  lr_fn=lambda t: common.LR, betas=(0.9, 0.95), weight_decay=0.01, decoupled=True,
+                                  scale_block_numel=scale)
+    assert [t for t, k in enumerate(kinds, 1) if k is StepKind.VARIANCE] == [1, 2, 4, 8, 16, 24, 32, 40]
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[r], want[r]))
 
 
 def _train(rank, transport, steps, lr_fn, passes=1, state=None, **knobs):
@@ -204,14 +251,17 @@ def test_schedule_with_a_decided_freeze_is_the_plain_schedule():
 
 def test_a_schedule_and_every_front_end_read_one_set_of_defaults():
     """The defaults live in one place, ``SCHEDULE_DEFAULTS``: the public :class:`Schedule`'s fields
-    and every front end's ``DistributedOptimizer`` read them, so ``Schedule(T_f, κ)`` predicts
-    the step kinds of an optimizer given that T_f and κ and no other knob."""
+    and every front end's ``DistributedOptimizer`` read them, so ``Schedule(T_f, κ,
+    var_update_interval_max=var_update_interval_max(β2))`` predicts the step kinds of an
+    optimizer given that T_f and κ and no other knob (the longest interval of T_v is no knob:
+    the optimizer derives it from β2)."""
     import dataclasses
     import inspect
 
     from hvd_zoadam.core.schedule import SCHEDULE_DEFAULTS
     from hvd_zoadam.shell import horovod, mpi, torch_distributed
-    fields = {f.name: f.default for f in dataclasses.fields(Schedule) if f.default is not dataclasses.MISSING}
+    fields = {f.name: f.default for f in dataclasses.fields(Schedule)
+              if f.default is not dataclasses.MISSING and f.name != "var_update_interval_max"}
     assert fields == SCHEDULE_DEFAULTS
     assert SCHEDULE_DEFAULTS["local_step_policy"] == "lr"
     for front_end in (horovod.DistributedOptimizer, torch_distributed.DistributedOptimizer):
@@ -221,10 +271,10 @@ def test_a_schedule_and_every_front_end_read_one_set_of_defaults():
     knobs = {name: torch_distributed.KNOBS[name] for name in SCHEDULE_DEFAULTS}
     schedule, _, _ = resolve_schedule(2, 0.98, var_freeze_step=120, var_update_scaler="auto",
                                       scale_block_numel="auto", **knobs)
-    assert schedule == Schedule(120, 8)
+    assert schedule == Schedule(120, 8, var_update_interval_max=var_update_interval_max(0.98)) != Schedule(120, 8)
     lr = warmup_cosine(60, 400)
     assert [schedule.kind(t, lr(t), lr(120)) for t in range(1, 401)] == \
-        [Schedule(120, 8).kind(t, lr(t), lr(120)) for t in range(1, 401)]
+        [Schedule(120, 8).kind(t, lr(t), lr(120)) for t in range(1, 401)]  # the cap (32) acts after 504
 
 
 @pytest.mark.parametrize("decay", [False, True])

@@ -21,8 +21,9 @@ VAR_UPDATE_WEIGHTINGS = ("interval", "paper")
 NEVER = 2 ** 62  # a var_freeze_step no run reaches: v not frozen (yet)
 
 # The schedule's defaults, in one place: :class:`Schedule`'s fields and every front end's
-# ``DistributedOptimizer`` read them, so that ``Schedule(T_f, κ)`` gives the step kinds of an
-# optimizer built with the same T_f and κ and no other knob.
+# ``DistributedOptimizer`` read them, so that ``Schedule(T_f, κ, var_update_interval_max=
+# var_update_interval_max(β2))`` gives the step kinds of an optimizer built with the same T_f
+# and κ and no other knob.
 DEFAULT_LOCAL_STEP_SCALER = 32768
 DEFAULT_LOCAL_STEP_CLIPPER = 8
 DEFAULT_LOCAL_STEP_POLICY = "lr"
@@ -58,7 +59,8 @@ class Schedule:
     Args:
         var_freeze_step: T_f (steps, >= 1). Steps t <= T_f are before the variance freeze.
         var_update_scaler: kappa (>= 1). The variance interval I starts at 1 and doubles
-            after every kappa-th variance step; t in T_v iff t <= T_f and t mod I == 0.
+            after every kappa-th variance step, up to ``var_update_interval_max``; t in T_v
+            iff t <= T_f and t mod I == 0.
         local_step_scaler: alpha (steps, >= 1; 32768 by default). With the ``"steps"`` policy
             the local-step interval H doubles after every alpha steps past the freeze.
         local_step_clipper: H_max (steps, a power of 2; 8 by default), the cap on H. H takes
@@ -72,6 +74,10 @@ class Schedule:
             I = t − t' steps since the previous t' in T_v, v <- β2^I·v + (1 − β2^I)·ḡ², so
             that v weighs time as Adam's does however thin T_v gets; ``"paper"`` as one
             step, v <- β2·v + (1 − β2)·ḡ² (the paper's Algorithm 1 and DeepSpeed's).
+        var_update_interval_max: the longest I (a power of 2; :data:`NEVER` by default, the
+            paper's T_v). The optimizer's ``"interval"`` weighting sets it to
+            :func:`var_update_interval_max` of β2 (8 at 0.95), so that v is updated at least
+            once a half-life of β2 (algorithm.md §4).
 
     Raises:
         TypeError, ValueError: for a knob that is not a positive int, or an unknown policy.
@@ -83,10 +89,15 @@ class Schedule:
     local_step_clipper: int = DEFAULT_LOCAL_STEP_CLIPPER
     local_step_policy: str = DEFAULT_LOCAL_STEP_POLICY
     var_update_weighting: str = DEFAULT_VAR_UPDATE_WEIGHTING
+    var_update_interval_max: int = NEVER
 
     def __post_init__(self):
-        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
+                     "var_update_interval_max"):
             object.__setattr__(self, name, check_positive_int(getattr(self, name), name))
+        if self.var_update_interval_max & (self.var_update_interval_max - 1):
+            raise ValueError(f"var_update_interval_max must be a power of 2, got {self.var_update_interval_max}: "
+                             "T_v's steps fall on multiples of its interval, which doubles")
         h_max = self.local_step_clipper
         if h_max & (h_max - 1):
             raise ValueError(f"local_step_clipper must be a power of 2 (1, 2, 4, 8, 16, ...), got {h_max}: "
@@ -115,10 +126,11 @@ class Schedule:
             first = (last // interval + 1) * interval
             if first > limit:
                 break
-            taken = min(kappa, (limit - first) // interval + 1)
+            room = kappa if interval < self.var_update_interval_max else NEVER
+            taken = min(room, (limit - first) // interval + 1)
             k += taken
             last = first + (taken - 1) * interval
-            if taken < kappa:
+            if taken < room:
                 counter = taken
                 break
             interval *= 2
@@ -149,7 +161,7 @@ class Schedule:
                 if t > limit:
                     return out
                 out.append(t)
-            interval *= 2
+            interval = min(2 * interval, self.var_update_interval_max)
 
     # -- after the freeze ----------------------------------------------------------------
     def local_step_interval(self, step: int, lr: float | None = None, freeze_lr: float | None = None) -> int:
@@ -235,7 +247,8 @@ class AutoFreeze:
 
     def earliest(self) -> int:
         """The earliest T_f whatever the warm-up, in steps: max(S, ⌈(1/4)/(1 − β2)⌉), S the step of
-        v's min(4κ, 32)-th update in T_v (120 at κ = 8, 56 at κ = 14)."""
+        v's min(4κ, 32)-th update in T_v without ``var_update_interval_max`` (120 at κ = 8, 56 at
+        κ = 14; the cap moves none of those updates where it is 8 or more, β2 ≥ 0.92)."""
         return _earliest_freeze(self.var_update_scaler, self.beta2)
 
     def observe(self, state: dict, step: int, lr: float) -> int | None:
@@ -294,6 +307,19 @@ def low_beta2_risk(auto: AutoFreeze | None) -> str | None:
             f"run stopped learning, one diverged before the freeze) and 22 of 25 at beta2 >= 0.98 "
             f"(docs/performance.md, 'The defaults over a random sweep'). Prefer beta2 >= 0.98, or compare the loss "
             f"with Adam's early in the run.")
+
+
+def var_update_interval_max(beta2: float) -> int:
+    """The longest interval of T_v under ``"interval"`` weighting at ``beta2``: the largest power
+    of 2 within β2's half-life ln ½ / ln β2 (4 at 0.9, 8 at 0.95, 32 at 0.98, 64 at 0.99, 128 at
+    0.995, 512 at 0.999; :data:`NEVER` at β2 = 0), so that v is updated at least once a
+    half-life: an update then weighs at most 1 − β2^I ≤ ½, and v never lags ḡ² by more than a
+    half-life (algorithm.md §4). At κ = 8 this leaves T_v as it was up to step 120 at 0.95, 504
+    at 0.98 and 1,016 at 0.99."""
+    if not 0 < beta2 < 1:
+        return NEVER
+    half_life = math.log(0.5) / math.log(beta2)
+    return 2 ** min(61, max(0, math.floor(math.log2(max(1.0, half_life)))))
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hvd_zoadam.core.schedule import LOCAL_STEP_POLICIES, NEVER, AutoFreeze, Schedule, check_positive_int
+from hvd_zoadam.core.schedule import (
+    LOCAL_STEP_POLICIES,
+    NEVER,
+    AutoFreeze,
+    Schedule,
+    check_positive_int,
+    var_update_interval_max,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -215,7 +222,8 @@ def resolve_schedule(world_size: int, beta2: float, *, var_freeze_step: int | st
     until it decides), else None. Raises as :class:`~hvd_zoadam.core.schedule.Schedule`."""
     kappa = auto_var_update_scaler(world_size) if var_update_scaler == AUTO else var_update_scaler
     schedule = Schedule(NEVER if var_freeze_step == AUTO else var_freeze_step, kappa, local_step_scaler,
-                        local_step_clipper, local_step_policy, var_update_weighting)
+                        local_step_clipper, local_step_policy, var_update_weighting,
+                        var_update_interval_max(beta2) if var_update_weighting == "interval" else NEVER)
     auto_freeze = AutoFreeze(kappa, beta2) if var_freeze_step == AUTO else None
     scale = auto_scale_block_numel(world_size) if scale_block_numel == AUTO else scale_block_numel
     return schedule, auto_freeze, scale
