@@ -277,7 +277,7 @@ def all_finite(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` is finite (no NaN, no ±Inf). float32 CPU tensors take one
     read-only Numba pass; anything else goes to ``torch.isfinite``."""
     if t.dtype == torch.float32 and _cpu_kernels(t):
-        return cpu.count_non_finite(t.reshape(-1).numpy()) == 0 if t.numel() else True
+        return cpu.count_non_finite(_flat(t)[0]) == 0 if t.numel() else True
     return bool(torch.isfinite(t).all())
 
 

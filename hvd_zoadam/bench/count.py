@@ -23,7 +23,11 @@ smaller (:func:`scaled_model`): the same tensors in the same buckets, as the cou
 tensors and buckets, not on their sizes (bytes are counted per parameter). Overlap is off,
 so that all of a step's work happens inside ``step()``. Prints and writes
 ``{"buckets": B, "params": n, "kinds": {kind: {"numba_launches", "torch_ops", "collectives",
-"host_syncs", "allocations", "bytes_per_param"}}}``.
+"host_syncs", "allocations", "transport_ops", "transport_allocations", "bytes_per_param"}}}``:
+the ops and allocations that a transport's own collective calls (``start``, ``wait``, the flags)
+make, here the thread transport's copies of each message, are ``transport_ops`` and
+``transport_allocations``, and their bytes are not counted: another transport does other work
+there (MPI reads the buffers it is given).
 """
 from __future__ import annotations
 
@@ -61,22 +65,39 @@ class Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.torch_ops = self.host_syncs = self.allocations = self.cuda_syncs = 0
+        self.transport_ops = self.transport_allocations = 0
+        self.inside_transport = 0  # > 0 while a transport's collective call runs (see _count_calls)
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.inside_transport:  # the transport's own work (the thread transport's copies): apart, bytes unread
+            self.transport_ops += 1
+            self.transport_allocations += _new_storages(args, kwargs, out, func)
+            return out
         self.torch_ops += 1
         name = func.overloadpacket.__name__
         if name in SYNC_OPS and _from_hvd_zoadam():
             self.host_syncs += 1
-        view = any(r.alias_info is not None for r in func._schema.returns)
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not view:
-            storages = {t.untyped_storage().data_ptr() for t in ins}
-            self.allocations += sum(1 for t in outs if t.untyped_storage().data_ptr() not in storages)
+        if not _is_view(func):
+            self.allocations += _new_storages(args, kwargs, out, func)
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values())
         return out
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+def _new_storages(args, kwargs, out, func) -> int:
+    """How many of the op's outputs live in storage none of its inputs had (0 for a view)."""
+    if _is_view(func):
+        return 0
+    storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    return sum(1 for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+               and t.untyped_storage().data_ptr() not in storages)
 
 
 def _from_hvd_zoadam() -> bool:
@@ -210,16 +231,17 @@ def count(path: str, world_size: int, divisor: int | None = None, kinds: tuple =
                 opt.step()
                 continue
             calls = {"collectives": 0}
-            for name in ("start", "allgather_flag", "allgather_object"):
-                _count_calls(transport, name, calls)
             mode, launches = Counter(), Launches(threading.current_thread())
+            for name in ("start", "wait", "allgather_flag", "allgather_object"):
+                _count_calls(transport, name, calls, mode, collective=name != "wait")
             with launches, mode, _counting_tolist(mode), _counting_cuda_syncs(mode, device):
                 opt.step()
             out.update(buckets=len(opt._engine.buckets), params=sum(p.numel() for p in model.parameters()),
                        kind=opt.schedule.kind(5, lr=1e-3, freeze_lr=1e-3).value,
                        numba_launches=launches.launches, torch_ops=mode.torch_ops,
                        collectives=calls["collectives"], host_syncs=mode.host_syncs,
-                       allocations=mode.allocations, bytes=mode.bytes + launches.bytes, cuda_syncs=mode.cuda_syncs)
+                       allocations=mode.allocations, bytes=mode.bytes + launches.bytes, cuda_syncs=mode.cuda_syncs,
+                       transport_ops=mode.transport_ops, transport_allocations=mode.transport_allocations)
 
     for kind in kinds:
         knobs, out = KIND_CONFIGS[kind], {}
@@ -234,7 +256,7 @@ def count(path: str, world_size: int, divisor: int | None = None, kinds: tuple =
             raise RuntimeError(f"bench step --count: the step counted as {kind} was {out.get('kind')}")
         report["buckets"], report["params"] = out["buckets"], out["params"]
         report["kinds"][kind] = {k: out[k] for k in ("numba_launches", "torch_ops", "collectives", "host_syncs",
-                                                     "allocations")}
+                                                     "allocations", "transport_ops", "transport_allocations")}
         report["kinds"][kind]["bytes_per_param"] = round(out["bytes"] / out["params"], 1)
         if path == "cuda":
             report["kinds"][kind]["cuda_syncs"] = out["cuda_syncs"]
@@ -302,12 +324,20 @@ def _counting_tolist(mode: Counter):
         torch.Tensor.tolist = original
 
 
-def _count_calls(obj, name: str, calls: dict) -> None:
+def _count_calls(obj, name: str, calls: dict, mode: Counter, collective: bool = True) -> None:
+    """``obj.name`` wrapped: a ``collective`` call made outside any other of the transport's counts
+    one (``allgather_flag`` runs ``start`` and ``wait`` inside: one collective), and the torch ops
+    run inside count as ``mode``'s ``transport_ops``."""
     original = getattr(obj, name)
 
     def counted(*args: object, **kwargs: object):
-        calls["collectives"] += 1
-        return original(*args, **kwargs)
+        if collective and not mode.inside_transport:
+            calls["collectives"] += 1
+        mode.inside_transport += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mode.inside_transport -= 1
     setattr(obj, name, counted)
 
 
