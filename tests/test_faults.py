@@ -209,13 +209,14 @@ def test_gradients_changed_after_backward_are_exchanged_as_they_are_at_step(scal
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(late[r][0], plain[r][0]))
         assert late[r][3] is True  # both ranks redid the exchange and warned
-        # Step 2, the first armed one, again: a flag and the early round(s) on top of the redo;
-        # from then on no exchange starts during backward(), every step is as with overlap=False
+        # Every exchange step after the first sends its 4-byte flag, overlap on or off; step 2, the
+        # first armed one, adds its early round(s) to the redo; from then on no exchange starts
+        # during backward(), every step is as with overlap=False
         nb = late[r][5]
-        assert late[r][2]["rounds"] == n_var + (2 if kinds[1] is StepKind.VARIANCE else 0)
-        assert plain[r][2]["rounds"] == n_var
-        assert late[r][4]["rounds"] == n_comp * 2 * nb + (1 + nb if kinds[1] is StepKind.COMPRESSED else 0)
-        assert plain[r][4]["rounds"] == n_comp * 2 * nb
+        assert late[r][2]["rounds"] == 2 * n_var - 1 + (1 if kinds[1] is StepKind.VARIANCE else 0)
+        assert plain[r][2]["rounds"] == 2 * n_var - 1
+        assert late[r][4]["rounds"] == n_comp * (2 * nb + 1) + (nb if kinds[1] is StepKind.COMPRESSED else 0)
+        assert plain[r][4]["rounds"] == n_comp * (2 * nb + 1)
     hvd_pattern = run_threads(2, lambda r, tr: body(r, tr, True, "horovod"))
     for r in range(2):
         assert not any("changed after backward()" in w for w in hvd_pattern[r][1]) and not hvd_pattern[r][3]
