@@ -133,11 +133,11 @@ def test_comm_stats_count_bytes_by_the_documented_formulas(job):
     s = max(chunk_pieces(segment_offsets([96, 16, 48, 3]), big_n // p, p)[1])
     words = lambda nbytes: -(-nbytes // 4) * 4  # noqa: E731 - messages are whole 4-byte words
     per_exchange = (p - 1) * (words(4 * s + 4 + big_n // p // 8) + words(12 + 4 * s + big_n // p // 8))
-    # overlap (the default): from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allgathers an
-    # int32 "gradients changed after backward?" flag (step 1 is a VARIANCE step and is not armed, nor
-    # is the first step after the freeze, a SYNC step that sets the anchor in step())
+    # from step 2 on, each VARIANCE, COMPRESSED and SYNC step also allgathers an int32 flag ("no
+    # gradient here?", and "gradients changed after backward()?" where the hooks started the
+    # exchange); step 1, a VARIANCE step, compares it in the settings check instead
     flags = stats["variance"]["steps"] - 1
-    sync_flags = stats["sync"]["steps"] - 1
+    sync_flags = stats["sync"]["steps"]
     flag_bytes = (p - 1) * 4
     assert abs(stats["variance"]["bytes_sent"] - (stats["variance"]["steps"] * n * 2 * (p - 1) / p * 4
                                                   + flags * flag_bytes)) <= 1
