@@ -73,14 +73,14 @@ class Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.inside_transport:  # the transport's own work (the thread transport's copies): apart, bytes unread
             self.transport_ops += 1
-            self.transport_allocations += _new_storages(args, kwargs, out, func)
+            self.transport_allocations += 0 if _is_view(func) else _new_storages(args, kwargs, out)
             return out
         self.torch_ops += 1
         name = func.overloadpacket.__name__
         if name in SYNC_OPS and _from_hvd_zoadam():
             self.host_syncs += 1
         if not _is_view(func):
-            self.allocations += _new_storages(args, kwargs, out, func)
+            self.allocations += _new_storages(args, kwargs, out)
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in {id(t): t for t in ins + outs}.values())
@@ -91,10 +91,8 @@ def _is_view(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
-def _new_storages(args, kwargs, out, func) -> int:
-    """How many of the op's outputs live in storage none of its inputs had (0 for a view)."""
-    if _is_view(func):
-        return 0
+def _new_storages(args, kwargs, out) -> int:
+    """How many of a non-view op's outputs live in storage none of its inputs had."""
     storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     return sum(1 for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                and t.untyped_storage().data_ptr() not in storages)

@@ -91,18 +91,19 @@ class StepAgreement:
         what an armed step sends after its early exchange), before any of the step's rounds.
         True where no rank has a gradient (the step changes nothing); some rank without one:
         RuntimeError on every rank naming it, nothing exchanged; else False."""
-        flags = step_flags(self.transport, self._collectives, step, NO_GRADIENT if no_gradient else 0)
+        return self._no_rank_has_gradient(step_flags(self.transport, self._collectives, step,
+                                                     NO_GRADIENT if no_gradient else 0))
+
+    def _no_rank_has_gradient(self, flags: list[int]) -> bool:
+        """From every rank's step flags: True where every rank flagged :data:`NO_GRADIENT` (the step
+        changes nothing), False where none did; where some did, RuntimeError on every rank naming
+        them, the step's passes reset so that it may be taken again."""
         missing = [rank for rank, flag in enumerate(flags) if flag & NO_GRADIENT]
         if missing and len(missing) < len(flags):
-            self._raise_without_backward(missing)
+            self._reset_passes()
+            raise RuntimeError("hvd_zoadam: " + _no_backward_message(
+                f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
         return bool(missing)
-
-    def _raise_without_backward(self, missing: list) -> None:
-        """RuntimeError on every rank, naming the ranks in ``missing`` that reached the step with no
-        gradient while others had one; the step's passes are reset, so it may be taken again."""
-        self._reset_passes()
-        raise RuntimeError("hvd_zoadam: " + _no_backward_message(
-            f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"))
 
     def _warn_no_gradient_at_local(self) -> None:
         if self._warned_no_gradient:
@@ -134,11 +135,8 @@ class StepAgreement:
             return False
         self._drain(self._overlap.window)
         self._overlap.window = None
-        missing = [rank for rank, flag in enumerate(flags) if flag & NO_GRADIENT]
-        if len(missing) == len(flags):
+        if self._no_rank_has_gradient(flags):
             return True
-        if missing:
-            self._raise_without_backward(missing)
         # The script modifies its gradients between backward() and step() (clipping as DDP scripts do):
         # every rank saw the flag, so every rank stops starting exchanges in backward() alike.
         self._modified_after_backward = self._warned_changed = True

@@ -174,7 +174,6 @@ class StepDriver:
         self.transport.counter.kind = kind.value  # the step's flag counts with its kind
         nothing_to_step = self._no_gradient_anywhere(step, no_gradient, armed, kind is not StepKind.LOCAL)
         if armed:
-            self.transport.counter.kind = kind.value
             self._overlap.complete(step, kind, len(self._buckets), self._launch)
             nothing_to_step = self._agree_on_step(step, no_gradient)
         window = self._overlap.take(step, kind)  # nothing more starts from the hooks this step
